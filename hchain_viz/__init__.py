@@ -1,0 +1,71 @@
+"""hchain_viz: optimal activation checkpointing for heterogeneous chains, made visible.
+
+    import hchain_viz as hcv
+    chain = hcv.profile(model, x)            # per-stage times and sizes
+    sol = hcv.solve(chain)                   # the optimal DP, for every budget at once
+    schedule = sol.schedule(budget_bytes)    # a list of Fck/Fn/Fall/Loss/B ops
+    trace = hcv.simulate(chain, schedule)    # predicted time and memory, op by op
+    wrapped = hcv.wrap(model, schedule)      # train with it: same gradients, less memory
+    hcv.explore(model, x)                    # the interactive explorer in a notebook
+
+The core (Chain, Schedule, simulate, solve, strategies) imports no torch or plotly; the runtime and viz parts are
+imported lazily on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .core import strategies
+from .core.chain import Chain
+from .core.schedule import Op, Schedule
+from .core.simulate import Trace, simulate
+from .core.solver import Solution, optimal_schedule, solve
+from .core.units import format_bytes, format_time, parse_bytes
+from .errors import (
+    DependencyError,
+    HChainError,
+    InfeasibleBudget,
+    InvalidChain,
+    InvalidSchedule,
+    NotSequentialError,
+    ProfileError,
+)
+
+__version__ = "0.1.0"
+
+# Heavy parts (torch, plotly, ipywidgets) load on first attribute access, keeping `import hchain_viz` light.
+_LAZY = {
+    "profile": ("runtime.profile", "profile"),
+    "measure": ("runtime.measure", "measure"),
+    "Measurement": ("runtime.measure", "Measurement"),
+    "sequentialize": ("runtime.stages", "sequentialize"),
+    "wrap": ("runtime.wrap", "wrap"),
+    "models": ("runtime.models", None),
+    "Explorer": ("viz.explorer", "Explorer"),
+    "explore": ("viz.explorer", "explore"),
+    "to_html": ("viz.html", "to_html"),
+    "figures": ("viz.figures", None),
+}
+
+__all__ = [
+    "Chain", "Schedule", "Op", "Trace", "Solution", "simulate", "solve", "optimal_schedule", "strategies",
+    "format_bytes", "format_time", "parse_bytes",
+    "HChainError", "InvalidChain", "InvalidSchedule", "InfeasibleBudget", "NotSequentialError", "ProfileError",
+    "DependencyError", *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        module = importlib.import_module(f".{module_name}", __name__)
+        value = module if attr is None else getattr(module, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hchain_viz' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,1 @@
+"""The torch-free core: chain model, schedules, the simulator, the optimal solver and baseline strategies."""

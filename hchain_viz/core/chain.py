@@ -1,0 +1,243 @@
+"""The chain model (DESIGN §2): per-stage times and sizes of a network seen as stages 0..L-1 followed by the loss.
+
+A :class:`Chain` is plain numbers. It is what the profiler produces, what the solver and the simulator read, and what
+round-trips through JSON so a profile taken on a GPU machine can be explored anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import InvalidChain
+from .units import format_bytes, format_time
+
+CHAIN_FORMAT = "hchain-chain/1"
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A heterogeneous chain of ``L`` stages followed by the loss.
+
+    Times are seconds (float), sizes bytes (int). Fields (paper symbols in brackets):
+
+    - ``fwd_time[i]`` (u_f): one forward of stage i; ``bwd_time[i]`` (u_b): its backward.
+    - ``x[i]`` (ω_x), length L+1: bytes of the activation entering stage i; ``x[L]`` is the network output.
+      The gradient δ_i has the same size.
+    - ``xbar[i]`` (ω_x̄): bytes resident after a forward of stage i with autograd recording: its output plus what
+      autograd saved for its backward, not counting ``x[i]``. Always ``xbar[i] >= x[i+1]``.
+    - ``fwd_tmp[i]`` / ``bwd_tmp[i]``: transient bytes above the resident set during the forward / backward.
+    - ``names[i]``: a label (module name).
+    """
+
+    fwd_time: tuple[float, ...]
+    bwd_time: tuple[float, ...]
+    x: tuple[int, ...]
+    xbar: tuple[int, ...]
+    fwd_tmp: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
+    bwd_tmp: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
+    names: tuple[str, ...] = None  # type: ignore[assignment]  # default: "stage0", "stage1", ...
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        L = _length_of(self.fwd_time, "fwd_time")
+        if L == 0:
+            raise InvalidChain("a chain needs at least one stage; got fwd_time of length 0")
+        zeros = (0,) * L
+        set_ = object.__setattr__  # frozen: normalise once here, never again
+        set_(self, "fwd_time", _floats(self.fwd_time, "fwd_time", L))
+        set_(self, "bwd_time", _floats(self.bwd_time, "bwd_time", L))
+        set_(self, "x", _ints(self.x, "x", L + 1))
+        set_(self, "xbar", _ints(self.xbar, "xbar", L))
+        set_(self, "fwd_tmp", _ints(zeros if self.fwd_tmp is None else self.fwd_tmp, "fwd_tmp", L))
+        set_(self, "bwd_tmp", _ints(zeros if self.bwd_tmp is None else self.bwd_tmp, "bwd_tmp", L))
+        names = tuple(f"stage{i}" for i in range(L)) if self.names is None else tuple(str(n) for n in self.names)
+        if len(names) != L:
+            raise InvalidChain(f"names has {len(names)} entries but the chain has {L} stages; give one name per stage")
+        set_(self, "names", names)
+        bad = [i for i in range(L) if self.xbar[i] < self.x[i + 1]]
+        if bad:
+            i = bad[0]
+            raise InvalidChain(
+                f"xbar[{i}] = {self.xbar[i]} is smaller than x[{i + 1}] = {self.x[i + 1]}, but x̄ contains the stage's "
+                f"output; xbar[i] must be at least x[i+1] (stage {names[i]!r})"
+            )
+
+    # ------------------------------------------------------------------ basic facts
+    @property
+    def length(self) -> int:
+        """Number of stages L (the loss is not a stage)."""
+        return len(self.fwd_time)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The fields as numpy arrays (float64 times, int64 sizes), for kernels."""
+        return {
+            "fwd_time": np.asarray(self.fwd_time, dtype=np.float64),
+            "bwd_time": np.asarray(self.bwd_time, dtype=np.float64),
+            "x": np.asarray(self.x, dtype=np.int64),
+            "xbar": np.asarray(self.xbar, dtype=np.int64),
+            "fwd_tmp": np.asarray(self.fwd_tmp, dtype=np.int64),
+            "bwd_tmp": np.asarray(self.bwd_tmp, dtype=np.int64),
+        }
+
+    @property
+    def store_all_time(self) -> float:
+        """Makespan with no recomputation: every forward and every backward once."""
+        return float(sum(self.fwd_time) + sum(self.bwd_time))
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        d = {"format": CHAIN_FORMAT}
+        for k in ("names", "fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp"):
+            d[k] = list(getattr(self, k))
+        if self.meta:
+            d["meta"] = self.meta
+        return d
+
+    def to_json(self, path: str | None = None, *, indent: int | None = 1) -> str:
+        """JSON text of the chain; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Chain":
+        if not isinstance(d, dict) or d.get("format") != CHAIN_FORMAT:
+            raise InvalidChain(f"not a chain: expected a JSON object with \"format\": \"{CHAIN_FORMAT}\"")
+        missing = [k for k in ("fwd_time", "bwd_time", "x", "xbar") if k not in d]
+        if missing:
+            raise InvalidChain(f"chain JSON lacks the field(s) {missing}")
+        return cls(
+            fwd_time=d["fwd_time"], bwd_time=d["bwd_time"], x=d["x"], xbar=d["xbar"],
+            fwd_tmp=d.get("fwd_tmp"), bwd_tmp=d.get("bwd_tmp"), names=d.get("names"), meta=d.get("meta", {}),
+        )
+
+    @classmethod
+    def from_json(cls, text_or_path: str) -> "Chain":
+        """Read a chain from JSON text or from a file path."""
+        text = text_or_path
+        if not text.lstrip().startswith("{"):
+            try:
+                with open(text_or_path) as f:
+                    text = f.read()
+            except OSError as e:
+                raise InvalidChain(f"cannot read chain file {text_or_path!r}: {e}") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InvalidChain(f"chain JSON is malformed: {e}") from None
+        return cls.from_dict(d)
+
+    # ------------------------------------------------------------------ teaching / test chains
+    @classmethod
+    def homogeneous(
+        cls, length: int, *, fwd_time: float = 1.0, bwd_time: float = 2.0, x: int = 1, xbar: int | None = None,
+        fwd_tmp: int = 0, bwd_tmp: int = 0,
+    ) -> "Chain":
+        """``length`` identical stages (the setting of Griewank–Walther's revolve). ``xbar`` defaults to ``2 * x``."""
+        if not isinstance(length, (int, np.integer)) or length < 1:
+            raise InvalidChain(f"length must be a positive integer, got {length!r}")
+        xbar = 2 * x if xbar is None else xbar
+        return cls(
+            fwd_time=[fwd_time] * length, bwd_time=[bwd_time] * length, x=[x] * (length + 1), xbar=[xbar] * length,
+            fwd_tmp=[fwd_tmp] * length, bwd_tmp=[bwd_tmp] * length,
+        )
+
+    @classmethod
+    def random(
+        cls, length: int, *, seed: int | None = 0, scale: int = 2**20, zero_fraction: float = 0.0,
+        transients: bool = True,
+    ) -> "Chain":
+        """A heterogeneous random chain: times and sizes vary several-fold (log-uniform over ~10x).
+
+        ``scale`` is the typical activation size in bytes; ``zero_fraction`` makes that share of times and sizes
+        exactly zero (edge cases for tests).
+        """
+        if not isinstance(length, (int, np.integer)) or length < 1:
+            raise InvalidChain(f"length must be a positive integer, got {length!r}")
+        rng = np.random.default_rng(seed)
+
+        def loguniform(n: int, lo: float, hi: float) -> np.ndarray:
+            v = np.exp(rng.uniform(np.log(lo), np.log(hi), n))
+            if zero_fraction:
+                v[rng.random(n) < zero_fraction] = 0
+            return v
+
+        fwd = loguniform(length, 1e-4, 1e-3)
+        bwd = fwd * rng.uniform(1.0, 3.0, length)
+        x = np.ceil(loguniform(length + 1, scale / 8, scale * 2)).astype(np.int64)
+        extra = np.ceil(loguniform(length, scale / 8, scale * 3)).astype(np.int64)
+        xbar = x[1:] + extra
+        tmp_f = np.ceil(loguniform(length, scale / 16, scale)).astype(np.int64) if transients else np.zeros(length)
+        tmp_b = np.ceil(loguniform(length, scale / 16, scale)).astype(np.int64) if transients else np.zeros(length)
+        return cls(fwd_time=fwd, bwd_time=bwd, x=x, xbar=xbar, fwd_tmp=tmp_f, bwd_tmp=tmp_b,
+                   names=[f"layer{i}" for i in range(length)])
+
+    # ------------------------------------------------------------------ display
+    def _rows(self) -> list[tuple[str, ...]]:
+        rows = [(str(i), self.names[i], format_time(self.fwd_time[i]), format_time(self.bwd_time[i]),
+                 format_bytes(self.x[i]), format_bytes(self.xbar[i]), format_bytes(self.fwd_tmp[i]),
+                 format_bytes(self.bwd_tmp[i])) for i in range(self.length)]
+        rows.append((str(self.length), "(output)", "", "", format_bytes(self.x[-1]), "", "", ""))
+        return rows
+
+    _HEAD = ("#", "stage", "fwd", "bwd", "x (input)", "xbar", "fwd_tmp", "bwd_tmp")
+
+    def __repr__(self) -> str:
+        rows = self._rows()
+        if len(rows) > 24:
+            rows = rows[:10] + [("...",) + ("",) * 7] + rows[-10:]
+        widths = [max(len(r[c]) for r in rows + [self._HEAD]) for c in range(len(self._HEAD))]
+        line = lambda r: "  ".join(s.rjust(w) if c != 1 else s.ljust(w) for c, (s, w) in enumerate(zip(r, widths)))
+        head = (f"Chain: {self.length} stages, store-all {format_time(self.store_all_time)}, "
+                f"activations {format_bytes(sum(self.xbar) + self.x[0])}")
+        return "\n".join([head, line(self._HEAD)] + [line(r) for r in rows])
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{h}</th>" for h in self._HEAD)
+        body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in self._rows())
+        return (f"<b>Chain</b>: {self.length} stages, store-all {format_time(self.store_all_time)}"
+                f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+
+def _length_of(v: Any, name: str) -> int:
+    try:
+        return len(v)
+    except TypeError:
+        raise InvalidChain(f"{name} must be a sequence of numbers, got {type(v).__name__}") from None
+
+
+def _check_numbers(vals: Sequence[Any], name: str, expected: int) -> list[float]:
+    if _length_of(vals, name) != expected:
+        raise InvalidChain(
+            f"{name} has {len(vals)} entries but needs {expected} "
+            f"({'L+1: one per stage input plus the output' if name == 'x' else 'one per stage'})"
+        )
+    out = []
+    for i, v in enumerate(vals):
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise InvalidChain(f"{name}[{i}] = {v!r} is not a number") from None
+        if math.isnan(f) or math.isinf(f) or f < 0:
+            raise InvalidChain(f"{name}[{i}] = {v!r}; times and sizes must be finite and non-negative")
+        out.append(f)
+    return out
+
+
+def _floats(vals: Sequence[Any], name: str, expected: int) -> tuple[float, ...]:
+    return tuple(_check_numbers(vals, name, expected))
+
+
+def _ints(vals: Sequence[Any], name: str, expected: int) -> tuple[int, ...]:
+    # Sizes are whole bytes; fractional input is rounded up so memory is never under-counted.
+    return tuple(int(math.ceil(f)) for f in _check_numbers(vals, name, expected))

@@ -1,0 +1,148 @@
+"""Schedules: the op lists every strategy produces (DESIGN §3, §6).
+
+A :class:`Schedule` is a sequence of :class:`Op` — ``Fck``, ``Fn``, ``Fall``, ``Loss``, ``B`` with a stage index —
+plus free-form metadata (strategy name, budget, predicted makespan). One simulator scores every schedule, one
+executor runs it, one set of figures draws it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, NamedTuple
+
+from ..errors import InvalidSchedule
+
+SCHEDULE_FORMAT = "hchain-schedule/1"
+OP_KINDS = ("Fck", "Fn", "Fall", "Loss", "B")
+FORWARD_KINDS = ("Fck", "Fn", "Fall")
+
+
+class Op(NamedTuple):
+    """One operation: ``kind`` in ``Fck, Fn, Fall, Loss, B`` and the ``stage`` it acts on (``Loss`` is stage L)."""
+
+    kind: str
+    stage: int
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "Loss" else f"{self.kind}{self.stage}"
+
+    @property
+    def is_forward(self) -> bool:
+        return self.kind in FORWARD_KINDS
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An ordered tuple of ops and its metadata. ``str(s)`` reads like ``Fck0 Fn1 Fall2 Loss B2 ...``."""
+
+    ops: tuple[Op, ...]
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        ops = []
+        for k, op in enumerate(self.ops):
+            try:
+                kind, stage = op
+            except (TypeError, ValueError):
+                raise InvalidSchedule(f"op #{k} is {op!r}; each op must be a (kind, stage) pair", k) from None
+            if kind not in OP_KINDS:
+                raise InvalidSchedule(f"op #{k} has kind {kind!r}; the kinds are {', '.join(OP_KINDS)}", k)
+            if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+                try:
+                    if int(stage) != stage or stage < 0:
+                        raise ValueError
+                    stage = int(stage)
+                except (TypeError, ValueError):
+                    raise InvalidSchedule(f"op #{k} ({kind}) has stage {stage!r}; stages are integers >= 0", k) from None
+            ops.append(Op(kind, stage))
+        object.__setattr__(self, "ops", tuple(ops))
+
+    @classmethod
+    def parse(cls, text: str, **meta: Any) -> "Schedule":
+        """Read the ``__str__`` form back: ``"Fck0 Fn1 Fall2 Loss B2"``; ``Loss`` may carry its stage (``Loss3``)."""
+        ops = []
+        loss_at = None
+        for tok in text.split():
+            kind = next((k for k in ("Fall", "Fck", "Fn", "Loss", "B") if tok.startswith(k)), None)
+            rest = tok[len(kind):] if kind else ""
+            if kind is None or (rest and not rest.isdigit()) or (not rest and kind != "Loss"):
+                raise InvalidSchedule(f"cannot read op {tok!r}; write ops like Fck0, Fn1, Fall2, Loss, B2")
+            ops.append([kind, int(rest) if rest else None])
+        forwards = [s for k, s in ops if k in FORWARD_KINDS]
+        loss_at = max(forwards) + 1 if forwards else 0
+        return cls(tuple(Op(k, loss_at if s is None else s) for k, s in ops), dict(meta))
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __iter__(self):
+        return iter(self.ops)
+
+    def __str__(self) -> str:
+        return " ".join(str(op) for op in self.ops)
+
+    def __repr__(self) -> str:
+        name = self.meta.get("strategy", "schedule")
+        text = str(self)
+        if len(text) > 200:
+            text = text[:200] + " ..."
+        return f"Schedule({name}, {len(self.ops)} ops: {text})"
+
+    @property
+    def n_recomputed(self) -> int:
+        """Forward ops beyond the first of each stage: the recomputations this schedule pays for."""
+        seen: set[int] = set()
+        n = 0
+        for op in self.ops:
+            if op.is_forward:
+                n += op.stage in seen
+                seen.add(op.stage)
+        return n
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": SCHEDULE_FORMAT, "ops": [[op.kind, op.stage] for op in self.ops], **self.meta}
+
+    def to_json(self, path: str | None = None, *, indent: int | None = None) -> str:
+        """``{"format": "hchain-schedule/1", "ops": [["Fck", 0], ...], ...metadata}``; also written to ``path``."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Schedule":
+        if not isinstance(d, dict) or d.get("format") != SCHEDULE_FORMAT or "ops" not in d:
+            raise InvalidSchedule(f"not a schedule: expected a JSON object with \"format\": \"{SCHEDULE_FORMAT}\" "
+                                  "and \"ops\"")
+        meta = {k: v for k, v in d.items() if k not in ("format", "ops")}
+        return cls(tuple(tuple(op) for op in d["ops"]), meta)
+
+    @classmethod
+    def from_json(cls, text_or_path: str) -> "Schedule":
+        """Read a schedule from JSON text or a file path."""
+        text = text_or_path
+        if not text.lstrip().startswith("{"):
+            try:
+                with open(text_or_path) as f:
+                    text = f.read()
+            except OSError as e:
+                raise InvalidSchedule(f"cannot read schedule file {text_or_path!r}: {e}") from None
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise InvalidSchedule(f"schedule JSON is malformed: {e}") from None
+
+    # ------------------------------------------------------------------ execution
+    def wrap(self, model: Any, **kwargs: Any) -> Any:
+        """Same as ``hcv.wrap(model, self)``: an ``nn.Module`` that trains by this schedule."""
+        from ..runtime.wrap import wrap
+
+        return wrap(model, self, **kwargs)
+
+
+def make_schedule(ops: Iterable[tuple[str, int]], **meta: Any) -> Schedule:
+    """Build a Schedule from ``(kind, stage)`` pairs."""
+    return Schedule(tuple(Op(k, s) for k, s in ops), meta)

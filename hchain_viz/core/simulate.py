@@ -1,0 +1,213 @@
+"""The one memory and time model (DESIGN §3): replay a schedule on a chain, op by op.
+
+``simulate(chain, schedule)`` is the ground truth every strategy is scored by and the solver is checked against.
+It returns a :class:`Trace` with, per op, its start and end time, memory before / at its peak / after, and which
+items are resident, so figures never recompute memory themselves.
+
+Resident items (``Item.kind``):
+
+- ``"x"``: a plain activation x_i (a checkpoint, or the input of the next no-grad forward). x_0 is the caller's
+  input, resident for the whole step.
+- ``"xbar"``: x̄_{i+1}, what ``Fall(i)`` leaves (the output plus autograd's saved tensors).
+- ``"out"``: the network output x_L, held by the caller from its first computation to the end of the step. When the
+  first forward of stage L-1 is a ``Fall``, the output lives inside x̄_L, so that ``xbar`` item carries only
+  ``xbar[L-1] - x[L]`` bytes beside it; a recomputed ``Fall(L-1)`` holds a full second copy.
+- ``"delta"``: a gradient δ_i (``x[i]`` bytes); δ_L is created by the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import InvalidSchedule
+from .chain import Chain
+from .schedule import Op, Schedule
+from .units import format_bytes, format_time
+
+
+class Item(NamedTuple):
+    """A resident piece of memory: ``kind`` in ``x, xbar, out, delta``, the ``stage`` index, its ``size`` in bytes."""
+
+    kind: str
+    stage: int
+    size: int
+
+
+class Event(NamedTuple):
+    """One simulated op. Memory in bytes, times in seconds; ``resident`` is the state after the op."""
+
+    index: int
+    op: Op
+    start: float
+    end: float
+    mem_before: int
+    mem_peak: int
+    mem_after: int
+    recompute: bool  # a forward of a stage that was already run forward earlier in the step
+    resident: tuple[Item, ...]
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The simulated run of ``schedule`` on ``chain``: one :class:`Event` per op."""
+
+    chain: Chain
+    schedule: Schedule
+    events: tuple[Event, ...]
+    initial_memory: int  # x_0, resident before the first op
+
+    @property
+    def makespan(self) -> float:
+        return self.events[-1].end if self.events else 0.0
+
+    @property
+    def peak_memory(self) -> int:
+        return max([self.initial_memory] + [e.mem_peak for e in self.events])
+
+    @property
+    def peak_index(self) -> int:
+        """Index of the op at which the peak is reached (first such op)."""
+        return int(np.argmax([e.mem_peak for e in self.events]))
+
+    @property
+    def n_recomputed(self) -> int:
+        return sum(e.recompute for e in self.events)
+
+    @property
+    def overhead(self) -> float:
+        """Makespan over store-all, minus one (0.25 = 25% slower than storing everything)."""
+        base = self.chain.store_all_time
+        return self.makespan / base - 1.0 if base > 0 else 0.0
+
+    def fits(self, budget: int) -> bool:
+        """True when the simulated peak never exceeds ``budget`` bytes."""
+        return self.peak_memory <= budget
+
+    def memory_curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """(time, bytes) points of a step curve through every op's before / peak / after memory."""
+        t, m = [0.0], [self.initial_memory]
+        for e in self.events:
+            t += [e.start, e.start, e.end]
+            m += [e.mem_before, e.mem_peak, e.mem_after]
+        return np.asarray(t), np.asarray(m)
+
+    def __repr__(self) -> str:
+        name = self.schedule.meta.get("strategy", "schedule")
+        return (f"Trace({name}: {len(self.events)} ops, makespan {format_time(self.makespan)} "
+                f"(+{100 * self.overhead:.1f}% over store-all), peak {format_bytes(self.peak_memory)}, "
+                f"{self.n_recomputed} recomputed forwards)")
+
+
+def simulate(chain: Chain, schedule: Schedule) -> Trace:
+    """Replay ``schedule`` on ``chain`` under the memory model of DESIGN §3.
+
+    Raises :class:`InvalidSchedule` naming the first op that needs something not resident, creates something
+    already resident, is out of range, or when the schedule ends before every backward has run.
+    """
+    if not isinstance(chain, Chain):
+        raise InvalidSchedule(f"simulate() needs a Chain as first argument, got {type(chain).__name__}")
+    if not isinstance(schedule, Schedule):
+        raise InvalidSchedule(f"simulate() needs a Schedule as second argument, got {type(schedule).__name__}")
+    L = chain.length
+    x, xbar = chain.x, chain.xbar
+    res: dict[tuple[str, int], int] = {("x", 0): x[0]}
+    mem = x[0]
+    t = 0.0
+    loss_done = False
+    forwarded: set[int] = set()
+    backward_done: set[int] = set()
+    events = []
+
+    for k, op in enumerate(schedule.ops):
+        kind, i = op
+
+        def fail(why: str) -> InvalidSchedule:
+            return InvalidSchedule(f"op #{k} {op} is invalid: {why}", k)
+
+        if kind == "Loss":
+            if i != L:
+                raise fail(f"the loss is stage {L} for this {L}-stage chain")
+            if loss_done:
+                raise fail("the loss runs once per step")
+            if ("out", L) not in res:
+                raise fail(f"the output x_{L} has not been computed (run every forward up to stage {L - 1} first)")
+            created, freed, key_sizes = x[L], 0, [(("delta", L), x[L])]
+            tmp, dt = 0, 0.0
+            loss_done = True
+        elif i >= L:
+            raise fail(f"stage {i} does not exist; the chain has stages 0..{L - 1}")
+        elif kind == "B":
+            if not loss_done:
+                raise fail("a backward needs the loss to have run first")
+            if ("delta", i + 1) not in res:
+                raise fail(f"B{i} needs the gradient δ_{i + 1}, which is not resident (run B{i + 1} first)"
+                           if i + 1 < L else "B needs δ_L")
+            if ("xbar", i) not in res:
+                raise fail(f"B{i} needs x̄_{i + 1} from a Fall{i}, which is not resident")
+            if not _input_available(res, i):
+                raise fail(f"B{i} needs its input x_{i}, which is not resident")
+            created = x[i]
+            freed_keys = [("delta", i + 1), ("xbar", i)] + ([("x", i)] if i > 0 and ("x", i) in res else [])
+            freed = sum(res[key] for key in freed_keys)
+            for key in freed_keys:
+                del res[key]
+            key_sizes = [(("delta", i), x[i])]
+            tmp, dt = chain.bwd_tmp[i], chain.bwd_time[i]
+            backward_done.add(i)
+        else:  # forward ops
+            if i in backward_done:
+                raise fail(f"the backward of stage {i} has already run; its forward is no longer needed")
+            if not _input_available(res, i):
+                raise fail(f"its input x_{i} is not resident (keep a checkpoint with Fck or recompute it)")
+            if ("xbar", i) in res or (i + 1 < L and ("x", i + 1) in res):
+                raise fail(f"x_{i + 1} is already resident; recomputing it would hold two copies")
+            freed = 0
+            if kind == "Fall":
+                if i == L - 1 and ("out", L) not in res:
+                    key_sizes = [(("out", L), x[L]), (("xbar", i), xbar[i] - x[L])]
+                else:
+                    key_sizes = [(("xbar", i), xbar[i])]
+            else:
+                if i + 1 in backward_done:
+                    raise fail(f"its output x_{i + 1} is no longer needed (B{i + 1} has run); use Fall{i} to "
+                               f"prepare B{i}")
+                if i + 1 == L:
+                    if ("out", L) in res:
+                        raise fail(f"the output x_{L} is already held by the caller")
+                    key_sizes = [(("out", L), x[L])]
+                else:
+                    key_sizes = [(("x", i + 1), x[i + 1])]
+                if kind == "Fn":
+                    if i == 0:
+                        raise fail("x_0 is the caller's input and cannot be dropped; use Fck0")
+                    if ("x", i) not in res:
+                        raise fail(f"Fn drops its input, but x_{i} is part of x̄_{i} here; use Fck{i}")
+                    freed = res.pop(("x", i))
+            created = sum(s for _, s in key_sizes)
+            tmp, dt = chain.fwd_tmp[i], chain.fwd_time[i]
+        recompute = kind in ("Fck", "Fn", "Fall") and i in forwarded
+        if kind in ("Fck", "Fn", "Fall"):
+            forwarded.add(i)
+        for key, size in key_sizes:
+            res[key] = size
+        before = mem
+        peak = before + created + tmp
+        mem = before + created - freed
+        events.append(Event(k, op, t, t + dt, before, peak, mem, recompute,
+                            tuple(Item(kd, st, sz) for (kd, st), sz in res.items())))
+        t += dt
+
+    missing = [i for i in range(L - 1, -1, -1) if i not in backward_done]
+    if missing or not loss_done:
+        what = "the loss" if not loss_done else f"B{missing[0]}"
+        raise InvalidSchedule(f"the schedule ends before {what}: a complete step runs the loss and B{L - 1}..B0",
+                              len(schedule.ops))
+    return Trace(chain, schedule, tuple(events), x[0])
+
+
+def _input_available(res: dict, i: int) -> bool:
+    """x_i is resident as a plain activation, or inside x̄_i (what Fall(i-1) left), or it is the caller's x_0."""
+    return ("x", i) in res or (i > 0 and ("xbar", i - 1) in res)

@@ -1,0 +1,43 @@
+"""Every error a user can cause, as one family: ``except hcv.HChainError`` catches them all.
+
+Each message says what went wrong with the user's own values and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class HChainError(Exception):
+    """Base class of all errors raised by hchain_viz for bad input."""
+
+
+class InvalidChain(HChainError, ValueError):
+    """A Chain's fields are inconsistent (lengths, negative or NaN values, xbar[i] < x[i+1])."""
+
+
+class InvalidSchedule(HChainError, ValueError):
+    """A schedule breaks the operation grammar or the memory model (DESIGN §3); names the first bad op."""
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.index = index
+
+
+class InfeasibleBudget(HChainError, ValueError):
+    """No schedule fits the budget; ``min_budget`` is the least budget (bytes) that works."""
+
+    def __init__(self, message: str, min_budget: int | None = None, budget: int | None = None):
+        super().__init__(message)
+        self.min_budget = min_budget
+        self.budget = budget
+
+
+class NotSequentialError(HChainError, TypeError):
+    """The model cannot be turned into a chain of stages automatically."""
+
+
+class ProfileError(HChainError, RuntimeError):
+    """Profiling or measuring a model failed because of its input (device, dtype, shapes, emptiness)."""
+
+
+class DependencyError(HChainError, ImportError):
+    """An optional dependency (torch, plotly, ipywidgets, torchvision, ...) is missing."""
