@@ -55,7 +55,12 @@ class Chain:
         set_(self, "xbar", _ints(self.xbar, "xbar", L))
         set_(self, "fwd_tmp", _ints(zeros if self.fwd_tmp is None else self.fwd_tmp, "fwd_tmp", L))
         set_(self, "bwd_tmp", _ints(zeros if self.bwd_tmp is None else self.bwd_tmp, "bwd_tmp", L))
-        names = tuple(f"stage{i}" for i in range(L)) if self.names is None else tuple(str(n) for n in self.names)
+        if self.names is None:
+            names = tuple(f"stage{i}" for i in range(L))
+        elif isinstance(self.names, str) or not hasattr(self.names, "__iter__"):
+            raise InvalidChain(f"names must be a list of strings, one per stage; got {self.names!r}")
+        else:
+            names = tuple(str(n) for n in self.names)
         if len(names) != L:
             raise InvalidChain(f"names has {len(names)} entries but the chain has {L} stages; give one name per stage")
         set_(self, "names", names)

@@ -50,10 +50,10 @@ class Schedule:
                 raise InvalidSchedule(f"op #{k} has kind {kind!r}; the kinds are {', '.join(OP_KINDS)}", k)
             if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
                 try:
-                    if int(stage) != stage or stage < 0:
+                    if isinstance(stage, bool) or int(stage) != stage or stage < 0:
                         raise ValueError
                     stage = int(stage)
-                except (TypeError, ValueError):
+                except (TypeError, ValueError, OverflowError):
                     raise InvalidSchedule(f"op #{k} ({kind}) has stage {stage!r}; stages are integers >= 0", k) from None
             ops.append(Op(kind, stage))
         object.__setattr__(self, "ops", tuple(ops))
@@ -66,7 +66,7 @@ class Schedule:
         for tok in text.split():
             kind = next((k for k in ("Fall", "Fck", "Fn", "Loss", "B") if tok.startswith(k)), None)
             rest = tok[len(kind):] if kind else ""
-            if kind is None or (rest and not rest.isdigit()) or (not rest and kind != "Loss"):
+            if kind is None or (rest and not (rest.isascii() and rest.isdigit())) or (not rest and kind != "Loss"):
                 raise InvalidSchedule(f"cannot read op {tok!r}; write ops like Fck0, Fn1, Fall2, Loss, B2")
             ops.append([kind, int(rest) if rest else None])
         forwards = [s for k, s in ops if k in FORWARD_KINDS]
@@ -117,8 +117,10 @@ class Schedule:
         if not isinstance(d, dict) or d.get("format") != SCHEDULE_FORMAT or "ops" not in d:
             raise InvalidSchedule(f"not a schedule: expected a JSON object with \"format\": \"{SCHEDULE_FORMAT}\" "
                                   "and \"ops\"")
+        if not isinstance(d["ops"], list):
+            raise InvalidSchedule(f"schedule \"ops\" must be a list of [kind, stage] pairs, got {d['ops']!r}")
         meta = {k: v for k, v in d.items() if k not in ("format", "ops")}
-        return cls(tuple(tuple(op) for op in d["ops"]), meta)
+        return cls(tuple(d["ops"]), meta)  # each op's shape is checked in __post_init__
 
     @classmethod
     def from_json(cls, text_or_path: str) -> "Schedule":

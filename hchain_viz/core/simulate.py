@@ -17,7 +17,7 @@ Resident items (``Item.kind``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -36,7 +36,22 @@ class Item(NamedTuple):
     size: int
 
 
-class Event(NamedTuple):
+class Lifetime(NamedTuple):
+    """One resident item from the op that created it to the op that freed it.
+
+    ``created`` is the index of the creating op (-1 for x_0, resident before the first op); ``freed`` the index of the
+    op after which it is gone, or ``None`` when it is still resident at the end of the step.
+    """
+
+    kind: str
+    stage: int
+    size: int
+    created: int
+    freed: int | None
+
+
+@dataclass(frozen=True, eq=False)
+class Event:
     """One simulated op. Memory in bytes, times in seconds; ``resident`` is the state after the op."""
 
     index: int
@@ -47,7 +62,14 @@ class Event(NamedTuple):
     mem_peak: int
     mem_after: int
     recompute: bool  # a forward of a stage that was already run forward earlier in the step
-    resident: tuple[Item, ...]
+    _lifetimes: tuple[Lifetime, ...] = field(repr=False, default=())
+
+    @property
+    def resident(self) -> tuple[Item, ...]:
+        """Items resident after this op, in order of creation (derived from the trace's lifetimes on demand)."""
+        k = self.index
+        return tuple(Item(lt.kind, lt.stage, lt.size) for lt in self._lifetimes
+                     if lt.created <= k and (lt.freed is None or lt.freed > k))
 
 
 @dataclass(frozen=True)
@@ -58,6 +80,7 @@ class Trace:
     schedule: Schedule
     events: tuple[Event, ...]
     initial_memory: int  # x_0, resident before the first op
+    lifetimes: tuple[Lifetime, ...]  # every item that was ever resident, in order of creation
 
     @property
     def makespan(self) -> float:
@@ -97,7 +120,7 @@ class Trace:
     def __repr__(self) -> str:
         name = self.schedule.meta.get("strategy", "schedule")
         return (f"Trace({name}: {len(self.events)} ops, makespan {format_time(self.makespan)} "
-                f"(+{100 * self.overhead:.1f}% over store-all), peak {format_bytes(self.peak_memory)}, "
+                f"({100 * self.overhead:+.1f}% over store-all), peak {format_bytes(self.peak_memory)}, "
                 f"{self.n_recomputed} recomputed forwards)")
 
 
@@ -114,6 +137,8 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
     L = chain.length
     x, xbar = chain.x, chain.xbar
     res: dict[tuple[str, int], int] = {("x", 0): x[0]}
+    opened: dict[tuple[str, int], int] = {("x", 0): 0}  # key -> index into `spans` of its open lifetime
+    spans: list[list] = [["x", 0, x[0], -1, None]]
     mem = x[0]
     t = 0.0
     loss_done = False
@@ -154,6 +179,7 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
             freed = sum(res[key] for key in freed_keys)
             for key in freed_keys:
                 del res[key]
+                spans[opened.pop(key)][4] = k
             key_sizes = [(("delta", i), x[i])]
             tmp, dt = chain.bwd_tmp[i], chain.bwd_time[i]
             backward_done.add(i)
@@ -186,6 +212,7 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                     if ("x", i) not in res:
                         raise fail(f"Fn drops its input, but x_{i} is part of x̄_{i} here; use Fck{i}")
                     freed = res.pop(("x", i))
+                    spans[opened.pop(("x", i))][4] = k
             created = sum(s for _, s in key_sizes)
             tmp, dt = chain.fwd_tmp[i], chain.fwd_time[i]
         recompute = kind in ("Fck", "Fn", "Fall") and i in forwarded
@@ -193,11 +220,12 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
             forwarded.add(i)
         for key, size in key_sizes:
             res[key] = size
+            opened[key] = len(spans)
+            spans.append([key[0], key[1], size, k, None])
         before = mem
         peak = before + created + tmp
         mem = before + created - freed
-        events.append(Event(k, op, t, t + dt, before, peak, mem, recompute,
-                            tuple(Item(kd, st, sz) for (kd, st), sz in res.items())))
+        events.append((k, op, t, t + dt, before, peak, mem, recompute))
         t += dt
 
     missing = [i for i in range(L - 1, -1, -1) if i not in backward_done]
@@ -205,7 +233,8 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
         what = "the loss" if not loss_done else f"B{missing[0]}"
         raise InvalidSchedule(f"the schedule ends before {what}: a complete step runs the loss and B{L - 1}..B0",
                               len(schedule.ops))
-    return Trace(chain, schedule, tuple(events), x[0])
+    lifetimes = tuple(Lifetime(*span) for span in spans)
+    return Trace(chain, schedule, tuple(Event(*e, lifetimes) for e in events), x[0], lifetimes)
 
 
 def _input_available(res: dict, i: int) -> bool:

@@ -1,2 +1,364 @@
-"""PLACEHOLDER — being written by the strategies helper: store_all, recompute_all, periodic, sqrt_n, revolve,
-chen_greedy, each returning a Schedule."""
+"""Baseline checkpointing strategies, each a plain :class:`Schedule` scored by the one simulator (DESIGN §1, §3).
+
+The families, from fastest/largest to slowest/smallest:
+
+- :func:`store_all`: keep everything autograd saves; no recomputation.
+- :func:`periodic` / :func:`sqrt_n`: exactly ``torch.utils.checkpoint.checkpoint_sequential``.
+- :func:`chen_greedy`: Chen et al. 2016's greedy segmentation by accumulated activation size.
+- :func:`revolve`: Griewank–Walther binomial checkpointing, treating every stage as one uniform step.
+- :func:`recompute_all`: keep only the input; recompute every stage's input from it.
+
+They are reference points: the optimal solver's frontier lies on or below every one of them.
+
+Two ways to use them besides calling the functions directly:
+
+- ``STRATEGIES[name](chain, budget=None) -> Schedule``: one signature for every family. ``budget`` (bytes or text
+  like ``"300MiB"``) selects the fastest schedule the family has within it; ``None`` means no limit (the family's
+  fastest schedule). A family with nothing under the budget raises :class:`InfeasibleBudget` carrying the least
+  budget it needs. For ``"periodic"`` the budget picks the segment count; ``periodic(chain, n)`` fixes it.
+- :func:`baseline_schedules` (every family at one budget, for a strategy selector) and :func:`frontier_points`
+  (every schedule of every family as a (simulated peak, makespan) point, for the time-vs-memory plot).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import lru_cache
+
+from ..errors import HChainError, InfeasibleBudget
+from .chain import Chain
+from .schedule import Op, Schedule
+from .simulate import simulate
+from .units import format_bytes, parse_bytes
+
+__all__ = [
+    "store_all", "recompute_all", "periodic", "sqrt_n", "revolve", "chen_greedy", "best_periodic",
+    "STRATEGIES", "baseline_schedules", "frontier_points", "pareto",
+]
+
+Budget = int | str | None
+Point = tuple[int, float]  # (simulated peak bytes, makespan seconds)
+
+
+# ---------------------------------------------------------------------------------------------------- fixed schedules
+def store_all(chain: Chain) -> Schedule:
+    """Keep every activation: ``Fall0 .. Fall(L-1) Loss B(L-1) .. B0``. Fastest, largest peak."""
+    L = chain.length
+    ops = [Op("Fall", i) for i in range(L)] + [Op("Loss", L)] + [Op("B", i) for i in reversed(range(L))]
+    return Schedule(tuple(ops), {"strategy": "store_all"})
+
+
+def recompute_all(chain: Chain) -> Schedule:
+    """Keep only the input x_0: run the forward without autograd, then before each backward B(i), recompute x_i
+    from x_0 and run stage i once more with autograd.
+
+    The smallest-memory baseline: about L²/2 extra forwards (``Fck0 Fn1 .. Fn(L-1) Loss``, then for i = L-1 .. 0:
+    ``Fck0 Fn1 .. Fn(i-1) Fall(i) B(i)``).
+    """
+    L = chain.length
+    ops = _advance(0, L) + [Op("Loss", L)]
+    for i in reversed(range(L)):
+        ops += _advance(0, i) + [Op("Fall", i), Op("B", i)]
+    return Schedule(tuple(ops), {"strategy": "recompute_all"})
+
+
+def periodic(chain: Chain, segments: int) -> Schedule:
+    """Exactly ``torch.utils.checkpoint.checkpoint_sequential(stages, segments, x)``.
+
+    The first ``segments - 1`` segments of ``L // segments`` stages each run without autograd, keeping only their
+    input; the last segment (all remaining stages) runs with autograd. In the backward, each checkpointed segment is
+    re-run with autograd (``Fall``) just before its backwards, last segment first.
+    """
+    L = chain.length
+    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= L:
+        raise HChainError(f"segments must be an integer from 1 to the number of stages ({L}), got {segments!r}")
+    size = L // segments
+    starts = tuple(range(0, size * segments, size))  # segments - 1 checkpointed ones, then the rest
+    return _segmented(chain, starts, {"strategy": "periodic", "segments": segments})
+
+
+def sqrt_n(chain: Chain) -> Schedule:
+    """:func:`periodic` with ``round(sqrt(L))`` segments: the classic O(√L)-memory, one-extra-forward rule."""
+    segments = max(1, round(math.sqrt(chain.length)))
+    s = periodic(chain, segments)
+    return Schedule(s.ops, {"strategy": "sqrt_n", "segments": segments})
+
+
+# ---------------------------------------------------------------------------------------------------- budget-driven
+def best_periodic(chain: Chain, budget: Budget = None) -> Schedule:
+    """The fastest :func:`periodic` schedule (over every segment count 1..L) whose simulated peak fits ``budget``."""
+    b = _parse_budget(budget)
+    scored = [(_score(chain, periodic(chain, n)), n) for n in range(1, chain.length + 1)]
+    return periodic(chain, _pick(scored, b, "periodic"))
+
+
+def revolve(chain: Chain, budget: Budget = None) -> Schedule:
+    """Griewank–Walther binomial checkpointing (revolve), treating every stage as one uniform step.
+
+    With ``c`` checkpoint slots besides the held input, the reversal of ``l`` steps advances (no autograd) to a
+    split point chosen so the number of recomputed forwards is the binomial minimum, stores a checkpoint there,
+    reverses the right part with ``c - 1`` slots and then the left part with ``c``; the reversal of a single step is
+    ``Fall(i) B(i)``. ``c`` is the largest the budget allows given the chain's sizes (``None``: no limit). Raises
+    :class:`InfeasibleBudget` when no ``c`` fits, with ``min_budget`` the least peak of any revolve schedule.
+    """
+    b = _parse_budget(budget)
+    L = chain.length
+    c_max = max(0, L - 2)  # with l - 2 slots besides the start, every step is recomputed at most once
+    if b is None:
+        return _revolve_schedule(L, c_max, None)
+
+    def fits(c: int) -> bool:
+        return _score(chain, _revolve_schedule(L, c, None))[0] <= b
+
+    # Estimate from the largest activation a slot may hold, then walk to the largest c that fits.
+    base = _score(chain, _revolve_schedule(L, 0, None))[0]
+    biggest = max(chain.x[1:L], default=0)
+    c = c_max if biggest == 0 else min(c_max, max(0, (b - base) // biggest))
+    if fits(c):
+        while c < c_max and fits(c + 1):
+            c += 1
+    else:
+        c = next((k for k in range(c - 1, -1, -1) if fits(k)), -1)
+        if c < 0:  # nothing at or below the estimate: peaks need not be monotone in c, so look at them all
+            peaks = {k: _score(chain, _revolve_schedule(L, k, None))[0] for k in range(c_max + 1)}
+            ok = [k for k, p in peaks.items() if p <= b]
+            if not ok:
+                raise _infeasible("revolve", b, min(peaks.values()))
+            c = max(ok)
+    return _revolve_schedule(L, c, b)
+
+
+def chen_greedy(chain: Chain, budget: Budget = None) -> Schedule:
+    """Chen et al. 2016 ("Training deep nets with sublinear memory cost"), greedy segmentation.
+
+    Walk the stages accumulating the bytes each keeps for its backward (``xbar[i]``); when the running sum exceeds a
+    threshold b, the stage's output becomes a checkpoint and a new segment starts. Segments then run like
+    :func:`periodic`. A sweep of thresholds gives several segmentations; the fastest whose simulated peak fits
+    ``budget`` is returned (``None``: no limit), :class:`InfeasibleBudget` if none does.
+    """
+    b = _parse_budget(budget)
+    scored = [(_score(chain, _chen_schedule(chain, starts, thr, None)), (starts, thr))
+              for starts, thr in _chen_candidates(chain)]
+    starts, thr = _pick(scored, b, "chen_greedy")
+    return _chen_schedule(chain, starts, thr, b)
+
+
+# ---------------------------------------------------------------------------------------------------- registry
+def _fixed(fn: Callable[[Chain], Schedule], name: str) -> Callable[[Chain, Budget], Schedule]:
+    """Give a budget-free strategy the registry signature: its one schedule, if it fits the budget."""
+
+    def at_budget(chain: Chain, budget: Budget = None) -> Schedule:
+        b = _parse_budget(budget)
+        s = fn(chain)
+        peak = _score(chain, s)[0]
+        if b is not None and peak > b:
+            raise _infeasible(name, b, peak)
+        return s
+
+    at_budget.__name__ = name
+    at_budget.__doc__ = fn.__doc__
+    return at_budget
+
+
+#: name -> ``f(chain, budget=None) -> Schedule``; see the module docstring for the budget's meaning.
+STRATEGIES: dict[str, Callable[..., Schedule]] = {
+    "store_all": _fixed(store_all, "store_all"),
+    "periodic": best_periodic,
+    "sqrt_n": _fixed(sqrt_n, "sqrt_n"),
+    "chen_greedy": chen_greedy,
+    "revolve": revolve,
+    "recompute_all": _fixed(recompute_all, "recompute_all"),
+}
+
+
+def baseline_schedules(chain: Chain, budget: Budget = None) -> dict[str, Schedule]:
+    """Every registered family's schedule at ``budget`` (``None``: no limit); families that cannot fit are left out."""
+    out = {}
+    for name, fn in STRATEGIES.items():
+        try:
+            out[name] = fn(chain, budget)
+        except InfeasibleBudget:
+            pass
+    return out
+
+
+def frontier_points(chain: Chain) -> dict[str, list[Point]]:
+    """For each family, the (simulated peak bytes, makespan seconds) of every schedule it can produce.
+
+    ``store_all``, ``sqrt_n``, ``recompute_all``: one point each; ``periodic``: one per segment count 1..L;
+    ``revolve``: one per number of checkpoint slots (each is what some budget selects); ``chen_greedy``: one per
+    distinct segmentation of the threshold sweep. Points are distinct and sorted by peak, then time; they are not
+    filtered, so a family may contain dominated points (use :func:`pareto` to drop them).
+    """
+    L = chain.length
+    schedules = {
+        "store_all": [store_all(chain)],
+        "periodic": [periodic(chain, n) for n in range(1, L + 1)],
+        "sqrt_n": [sqrt_n(chain)],
+        "chen_greedy": [_chen_schedule(chain, s, t, None) for s, t in _chen_candidates(chain)],
+        "revolve": [_revolve_schedule(L, c, None) for c in range(max(0, L - 2) + 1)],
+        "recompute_all": [recompute_all(chain)],
+    }
+    return {name: sorted({_score(chain, s) for s in ss}) for name, ss in schedules.items()}
+
+
+def pareto(points: list[Point]) -> list[Point]:
+    """The points no other point beats on both memory and time, sorted by memory (time then decreases)."""
+    out: list[Point] = []
+    for p in sorted(set(points)):
+        if not out or p[1] < out[-1][1]:
+            out.append(p)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _advance(i: int, j: int) -> list[Op]:
+    """Ops that bring x_j from a held x_i without autograd, keeping x_i: ``Fck(i) Fn(i+1) .. Fn(j-1)``."""
+    return [Op("Fck", i)] + [Op("Fn", k) for k in range(i + 1, j)] if j > i else []
+
+
+def _segmented(chain: Chain, starts: tuple[int, ...], meta: dict) -> Schedule:
+    """checkpoint_sequential's pattern for segments beginning at ``starts`` (``starts[0] == 0``, increasing).
+
+    Every segment but the last runs forward without autograd keeping its input (the checkpoint); the last runs with
+    autograd. Backward: the last segment's B ops, then each earlier segment re-run with Fall and reversed.
+    """
+    L = chain.length
+    ends = [s - 1 for s in starts[1:]] + [L - 1]
+    ops: list[Op] = []
+    for s, e in zip(starts[:-1], ends[:-1]):
+        ops += _advance(s, e + 1)
+    last = starts[-1]
+    ops += [Op("Fall", i) for i in range(last, L)] + [Op("Loss", L)] + [Op("B", i) for i in range(L - 1, last - 1, -1)]
+    for s, e in reversed(list(zip(starts[:-1], ends[:-1]))):
+        ops += [Op("Fall", i) for i in range(s, e + 1)] + [Op("B", i) for i in range(e, s - 1, -1)]
+    return Schedule(tuple(ops), dict(meta))
+
+
+@lru_cache(maxsize=4096)
+def _score(chain: Chain, schedule: Schedule) -> Point:
+    """(peak, makespan) of a simulated schedule; cached because budget sweeps re-score the same candidates."""
+    trace = simulate(chain, schedule)
+    return trace.peak_memory, trace.makespan
+
+
+def _parse_budget(budget: Budget) -> int | None:
+    return None if budget is None else parse_bytes(budget)
+
+
+def _infeasible(name: str, budget: int, min_budget: int) -> InfeasibleBudget:
+    return InfeasibleBudget(
+        f"no {name} schedule fits in {budget} bytes ({format_bytes(budget)}); it needs at least {min_budget} bytes "
+        f"({min_budget / 2**20:.2f} MiB): raise the budget or use a strategy that recomputes more",
+        min_budget=min_budget, budget=budget,
+    )
+
+
+def _pick(scored: list, budget: int | None, name: str):
+    """The key of the fastest candidate whose peak fits ``budget`` (ties: smaller peak); ``scored`` holds
+    ``((peak, makespan), key)`` pairs."""
+    ok = [(t, p, k) for (p, t), k in scored if budget is None or p <= budget]
+    if not ok:
+        raise _infeasible(name, budget, min(p for (p, _), _ in scored))
+    return min(ok, key=lambda c: (c[0], c[1]))[2]
+
+
+# ------------------------------------------------------------------ revolve
+def _binomial(s: int, r: int) -> int:
+    """β(s, r) = C(s + r, s): the most steps s snapshots can reverse with at most r forwards of any step."""
+    return math.comb(s + r, s) if r >= 0 else 0
+
+
+def _revolve_cost(steps: int, slots: int) -> int:
+    """Least number of advancing forwards to reverse ``steps`` uniform steps from a held start with ``slots`` extra
+    checkpoints (Griewank–Walther: r·l − β(s+1, r−1) with s = slots + 1 snapshots, r the least repetition count with
+    β(s, r) ≥ l)."""
+    if steps <= 1:
+        return 0
+    s, r = slots + 1, 0
+    while _binomial(s, r) < steps:
+        r += 1
+    return r * steps - _binomial(s + 1, r - 1)
+
+
+def _revolve_split(steps: int, slots: int) -> int:
+    """How far to advance before storing the next checkpoint so the total cost is :func:`_revolve_cost`.
+
+    Griewank–Walther's closed-form choice (as in their ``revolve`` code), with s = slots + 1 snapshots and r the
+    repetition count; the tests check it against a brute-force minimum over every split.
+    """
+    s, r = slots + 1, 0
+    while _binomial(s, r) < steps:
+        r += 1
+    b = lambda a, k: _binomial(a, k) if a >= 0 else 0
+    if steps <= b(s, r - 1) + b(s - 2, r - 1):
+        j = b(s, r - 2)
+    elif steps >= b(s, r) - b(s - 3, r):
+        j = b(s, r - 1)
+    else:
+        j = steps - b(s - 1, r - 1) - b(s - 2, r - 1)
+    return max(1, min(steps - 1, j))
+
+
+@lru_cache(maxsize=256)
+def _revolve_ops(L: int, slots: int) -> tuple[Op, ...]:
+    """The revolve op list for an L-stage chain with ``slots`` checkpoints besides x_0 (depends on L only)."""
+    ops: list[Op] = []
+    # Explicit stack of (start, steps, slots, holds_loss): the recursion is up to L deep.
+    todo = [(0, L, slots, True)]
+    while todo:
+        i, steps, c, spine = todo.pop()
+        if steps == 1 or c == 0:
+            # No slot left: for each step from the last, advance to it from the held start and reverse it.
+            for k in range(steps - 1, -1, -1):
+                ops += _advance(i, i + k) + [Op("Fall", i + k)]
+                ops += [Op("Loss", L)] if spine and k == steps - 1 else []
+                ops.append(Op("B", i + k))
+            continue
+        j = _revolve_split(steps, c)
+        ops += _advance(i, i + j)  # x_{i+j} is now a checkpoint
+        todo.append((i, j, c, False))  # then the left part, with the slot back
+        todo.append((i + j, steps - j, c - 1, spine))  # first the right part
+    return tuple(ops)
+
+
+def _revolve_schedule(L: int, slots: int, budget: int | None) -> Schedule:
+    meta = {"strategy": "revolve", "slots": slots}
+    if budget is not None:
+        meta["budget"] = budget
+    return Schedule(_revolve_ops(L, slots), meta)
+
+
+# ------------------------------------------------------------------ Chen et al.
+def _chen_segments(sizes: tuple[int, ...], threshold: float) -> tuple[int, ...]:
+    """Segment starts from Chen's greedy walk: close a segment after the stage where the running size exceeds the
+    threshold (its output x_{i+1} becomes a checkpoint; the network output x_L never does)."""
+    starts, run = [0], 0
+    for i in range(len(sizes) - 1):
+        run += sizes[i]
+        if run > threshold:
+            starts.append(i + 1)
+            run = 0
+    return tuple(starts)
+
+
+def _chen_candidates(chain: Chain, n: int = 48) -> list[tuple[tuple[int, ...], float]]:
+    """Distinct segmentations over a geometric sweep of thresholds from 0 to the total size (store-all)."""
+    sizes = chain.xbar
+    total = sum(sizes)
+    lo = min((s for s in sizes if s > 0), default=0)
+    thresholds = [0.0]
+    if total > 0:
+        thresholds += [lo * (total / lo) ** (k / (n - 1)) for k in range(n)]
+    seen: dict[tuple[int, ...], float] = {}
+    for thr in thresholds:
+        seen.setdefault(_chen_segments(sizes, thr), thr)
+    return list(seen.items())
+
+
+def _chen_schedule(chain: Chain, starts: tuple[int, ...], threshold: float, budget: int | None) -> Schedule:
+    meta = {"strategy": "chen_greedy", "threshold": threshold, "checkpoints": list(starts[1:])}
+    if budget is not None:
+        meta["budget"] = budget
+    return _segmented(chain, starts, meta)

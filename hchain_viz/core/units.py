@@ -16,7 +16,7 @@ _BYTE_UNITS = {
 
 
 def format_bytes(n: float) -> str:
-    """``1536 -> '1.50 KiB'``; binary units, three significant figures."""
+    """``1536 -> '1.5 KiB'``; binary units, at most three significant figures."""
     if n is None or (isinstance(n, float) and math.isnan(n)):
         return "n/a"
     if math.isinf(n):
@@ -49,12 +49,15 @@ def format_time(s: float) -> str:
 def parse_bytes(text: str | int | float) -> int:
     """``'300MiB' -> 314572800``; plain numbers are bytes. Raises HChainError on anything else."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if text < 0 or math.isnan(text):
-            raise HChainError(f"a memory size must be a non-negative number of bytes, got {text!r}")
+        if text < 0 or not math.isfinite(text):
+            raise HChainError(f"a memory size must be a finite non-negative number of bytes, got {text!r}")
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _BYTE_UNITS:
         raise HChainError(
             f"cannot read {text!r} as a memory size; write it like '300MiB', '1.5GiB', '2GB' or a number of bytes"
         )
-    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+    value = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+    if not math.isfinite(value):  # '1e400' overflows to inf
+        raise HChainError(f"memory size {text!r} is too large to be a number of bytes")
+    return int(value)

@@ -1,0 +1,220 @@
+"""core/chain.py: validation of a Chain's fields, JSON round trip, the teaching/test constructors and the table repr."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from hchain_viz.core.chain import CHAIN_FORMAT, Chain
+from hchain_viz.errors import HChainError, InvalidChain
+
+
+def small(**over) -> dict:
+    """Fields of a valid 2-stage chain, with some replaced."""
+    d = dict(fwd_time=[1.0, 2.0], bwd_time=[3.0, 4.0], x=[1, 2, 4], xbar=[8, 16], fwd_tmp=[32, 64], bwd_tmp=[128, 256])
+    d.update(over)
+    return d
+
+
+# ------------------------------------------------------------------ validation
+def test_valid_chain_normalises_types():
+    c = Chain(**small(fwd_time=np.array([1, 2]), x=(1.0, 2, 4)))
+    assert c.length == len(c) == 2
+    assert c.fwd_time == (1.0, 2.0) and all(isinstance(v, float) for v in c.fwd_time)
+    assert c.x == (1, 2, 4) and all(isinstance(v, int) for v in c.x)
+    assert c.names == ("stage0", "stage1")
+
+
+def test_defaults_for_transients_and_names():
+    c = Chain(fwd_time=[1], bwd_time=[1], x=[5, 6], xbar=[6])
+    assert c.fwd_tmp == (0,) and c.bwd_tmp == (0,)
+    assert c.names == ("stage0",)
+
+
+def test_fractional_sizes_round_up():
+    # Never under-count memory.
+    c = Chain(**small(x=[0.2, 2.0, 3.5], xbar=[8, 16]))
+    assert c.x == (1, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("fwd_time", [], "at least one stage"),
+        ("bwd_time", [1.0], "bwd_time has 1 entries but needs 2"),
+        ("x", [1, 2], "x has 2 entries but needs 3"),
+        ("xbar", [8, 16, 3], "xbar has 3 entries but needs 2"),
+        ("fwd_tmp", [1], "fwd_tmp has 1 entries"),
+        ("bwd_tmp", [1, 2, 3], "bwd_tmp has 3 entries"),
+        ("names", ["a"], "names has 1 entries"),
+        ("names", 5, "names must be a list"),
+        ("fwd_time", 3.0, "fwd_time must be a sequence"),
+    ],
+)
+def test_lengths_are_checked(field, value, words):
+    with pytest.raises(InvalidChain, match=words):
+        Chain(**small(**{field: value}))
+
+
+def test_x_length_message_explains_the_extra_entry():
+    with pytest.raises(InvalidChain, match="L\\+1"):
+        Chain(**small(x=[1, 2]))
+
+
+@pytest.mark.parametrize("field", ["fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp"])
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "abc", None])
+def test_negative_nan_and_non_numbers_rejected(field, bad):
+    d = small()
+    vals = list(d[field])
+    vals[1] = bad
+    with pytest.raises(InvalidChain, match=rf"{field}\[1\]"):
+        Chain(**small(**{field: vals}))
+
+
+def test_xbar_smaller_than_output_rejected_with_index():
+    with pytest.raises(InvalidChain, match=r"xbar\[1\] = 3 is smaller than x\[2\] = 4"):
+        Chain(**small(xbar=[8, 3]))
+
+
+def test_xbar_equal_to_output_is_fine():
+    c = Chain(**small(xbar=[2, 4]))
+    assert c.xbar == (2, 4)
+
+
+def test_errors_are_hchain_errors_and_value_errors():
+    with pytest.raises(HChainError):
+        Chain(**small(x=[1]))
+    with pytest.raises(ValueError):
+        Chain(**small(x=[1]))
+
+
+def test_frozen_equal_and_hashable_ignoring_meta():
+    a = Chain(**small(), meta={"model": "a"})
+    b = Chain(**small(), meta={"model": "b"})
+    assert a == b and hash(a) == hash(b)
+    assert a != Chain(**small(fwd_time=[1.0, 2.5]))
+    with pytest.raises(AttributeError):
+        a.x = (1, 1, 1)  # type: ignore[misc]
+
+
+def test_arrays_and_store_all_time():
+    c = Chain(**small())
+    arr = c.arrays()
+    assert arr["fwd_time"].dtype == np.float64 and arr["x"].dtype == np.int64
+    assert arr["x"].tolist() == [1, 2, 4] and arr["bwd_tmp"].tolist() == [128, 256]
+    assert c.store_all_time == 10.0
+
+
+# ------------------------------------------------------------------ JSON
+def test_json_round_trip_text_and_file(tmp_path):
+    c = Chain.random(7, seed=3)
+    c = Chain(**{k: getattr(c, k) for k in ("fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp", "names")},
+              meta={"device": "cpu", "batch": 8})
+    back = Chain.from_json(c.to_json())
+    assert back == c and back.names == c.names and back.meta == c.meta
+    assert back.fwd_time == c.fwd_time  # floats survive exactly
+    path = tmp_path / "chain.json"
+    c.to_json(str(path))
+    assert Chain.from_json(str(path)) == c
+    d = json.loads(path.read_text())
+    assert d["format"] == CHAIN_FORMAT and d["x"] == list(c.x)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('{"format": "hchain-chain/1", "fwd_time": [1], "bwd_time": [1], "x": [1, 1]', "malformed"),
+        ('{"format": "something-else", "fwd_time": [1]}', "not a chain"),
+        ('{"format": "hchain-chain/1", "fwd_time": [1], "bwd_time": [1]}', "lacks the field"),
+        ('{"format": "hchain-chain/1", "fwd_time": [1], "bwd_time": [1], "x": [1, 1], "xbar": [0]}', "xbar\\[0\\]"),
+    ],
+)
+def test_from_json_errors(text, words):
+    with pytest.raises(InvalidChain, match=words):
+        Chain.from_json(text)
+
+
+def test_from_json_missing_file():
+    with pytest.raises(InvalidChain, match="cannot read chain file"):
+        Chain.from_json("/nonexistent/chain.json")
+
+
+# ------------------------------------------------------------------ constructors
+def test_homogeneous():
+    c = Chain.homogeneous(4, fwd_time=0.5, bwd_time=1.5, x=3)
+    assert c.length == 4
+    assert set(c.fwd_time) == {0.5} and set(c.bwd_time) == {1.5}
+    assert c.x == (3,) * 5 and c.xbar == (6,) * 4  # xbar defaults to 2x
+    assert Chain.homogeneous(2, x=3, xbar=3, fwd_tmp=1, bwd_tmp=2).xbar == (3, 3)
+    assert Chain.homogeneous(1).store_all_time == 3.0
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "3"])
+def test_homogeneous_and_random_reject_bad_length(bad):
+    with pytest.raises(InvalidChain, match="positive integer"):
+        Chain.homogeneous(bad)
+    with pytest.raises(InvalidChain, match="positive integer"):
+        Chain.random(bad)
+
+
+def test_homogeneous_rejects_xbar_below_x():
+    with pytest.raises(InvalidChain):
+        Chain.homogeneous(3, x=4, xbar=2)
+
+
+def test_random_is_heterogeneous():
+    c = Chain.random(30, seed=1, scale=2**20)
+    ratio = lambda v: max(v) / min(v)
+    # Several-fold variation in every dimension (log-uniform over ~10x).
+    assert ratio(c.fwd_time) > 3
+    assert ratio(c.x) > 3
+    assert ratio(c.xbar) > 2
+    assert ratio(c.fwd_tmp) > 3 and ratio(c.bwd_tmp) > 3
+    # Backward is 1-3x its forward, sizes are around the scale.
+    assert all(f <= b <= 3 * f for f, b in zip(c.fwd_time, c.bwd_time))
+    assert 2**20 / 10 < np.median(c.x) < 2**20 * 3
+    assert all(xb >= c.x[i + 1] for i, xb in enumerate(c.xbar))
+    assert c.names[0] == "layer0"
+
+
+def test_random_is_reproducible_by_seed():
+    assert Chain.random(10, seed=5) == Chain.random(10, seed=5)
+    assert Chain.random(10, seed=5) != Chain.random(10, seed=6)
+
+
+def test_random_zero_fraction_and_no_transients():
+    c = Chain.random(40, seed=2, zero_fraction=0.3, transients=False)
+    assert 0 in c.fwd_time and 0 in c.x
+    assert set(c.fwd_tmp) == {0} and set(c.bwd_tmp) == {0}
+    assert all(xb >= c.x[i + 1] for i, xb in enumerate(c.xbar))
+
+
+# ------------------------------------------------------------------ display
+def test_repr_is_a_table():
+    c = Chain(**small(), names=["conv", "fc"])
+    text = repr(c)
+    lines = text.splitlines()
+    assert lines[0].startswith("Chain: 2 stages, store-all 10 s")
+    assert "fwd" in lines[1] and "xbar" in lines[1]
+    assert len(lines) == 2 + 3  # header, column names, 2 stages + the output row
+    assert "conv" in lines[2] and "(output)" in lines[-1]
+    assert "128 B" in lines[2]  # bwd_tmp of stage 0
+    # Columns align: every row has the same width.
+    assert len({len(line) for line in lines[1:]}) == 1
+
+
+def test_repr_truncates_long_chains_and_html():
+    c = Chain.random(60, seed=0)
+    lines = repr(c).splitlines()
+    assert len(lines) == 2 + 21 and any(line.lstrip().startswith("...") for line in lines)
+    html = c._repr_html_()
+    assert html.count("<tr>") == 1 + 61 and "<table>" in html
+
+
+def test_activation_total_in_header():
+    c = Chain(**small())
+    assert f"activations {24 + 1} B" in repr(c)
+    assert math.isclose(c.store_all_time, sum(c.fwd_time) + sum(c.bwd_time))

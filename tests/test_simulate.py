@@ -1,0 +1,142 @@
+"""core/simulate.py: the memory model of DESIGN §3, checked against hand-computed numbers, and every error case.
+
+The hand chain uses powers of two so every memory figure below can be read back as a sum of named items:
+x = [1, 2, 4] (x_0, x_1, x_2 = the output), xbar = [8, 16], fwd_tmp = [32, 64], bwd_tmp = [128, 256];
+times fwd = [1, 2], bwd = [3, 4].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hchain_viz.core.chain import Chain
+from hchain_viz.core.schedule import Schedule
+from hchain_viz.core.simulate import Item, simulate
+from hchain_viz.errors import InvalidSchedule
+
+CH = Chain(fwd_time=[1.0, 2.0], bwd_time=[3.0, 4.0], x=[1, 2, 4], xbar=[8, 16], fwd_tmp=[32, 64], bwd_tmp=[128, 256])
+
+
+def rows(trace):
+    return [(str(e.op), e.start, e.end, e.mem_before, e.mem_peak, e.mem_after, e.recompute) for e in trace.events]
+
+
+def resident(event):
+    return {(it.kind, it.stage): it.size for it in event.resident}
+
+
+def test_store_all_by_hand():
+    t = simulate(CH, Schedule.parse("Fall0 Fall1 Loss B1 B0"))
+    assert rows(t) == [
+        # op     start end  before peak        after
+        ("Fall0", 0.0, 1.0, 1, 1 + 8 + 32, 9, False),  # creates xbar_1 (8) over x_0 (1), transient 32
+        ("Fall1", 1.0, 3.0, 9, 9 + 16 + 64, 25, False),  # xbar_2 = 16 bytes, of which 4 are the held output x_2
+        ("Loss", 3.0, 3.0, 25, 29, 29, False),  # δ_2 = 4 bytes, no time
+        ("B1", 3.0, 7.0, 29, 29 + 2 + 256, 15, False),  # δ_1 (2) + bwd_tmp; frees δ_2 (4) and xbar_2 minus output (12)
+        ("B0", 7.0, 10.0, 15, 15 + 1 + 128, 6, False),  # δ_0 (1); frees δ_1 (2) and xbar_1 (8); x_0 stays
+    ]
+    assert t.makespan == 10.0 == CH.store_all_time
+    assert t.peak_memory == 287 and t.peak_index == 3
+    assert t.overhead == 0.0 and t.n_recomputed == 0
+    # After Fall1 the output lives inside x̄_2: an "out" item plus the rest of x̄_2.
+    assert resident(t.events[1]) == {("x", 0): 1, ("xbar", 0): 8, ("out", 2): 4, ("xbar", 1): 12}
+    # At the end: the caller's input x_0, the held output x_2 and the input gradient δ_0.
+    assert resident(t.events[-1]) == {("x", 0): 1, ("out", 2): 4, ("delta", 0): 1}
+    assert all(isinstance(it, Item) for it in t.events[0].resident)
+
+
+def test_recompute_with_checkpoints_and_second_output_copy():
+    t = simulate(CH, Schedule.parse("Fck0 Fn1 Loss Fck0 Fall1 B1 Fall0 B0"))
+    assert rows(t) == [
+        ("Fck0", 0.0, 1.0, 1, 1 + 2 + 32, 3, False),  # keeps x_0, creates x_1
+        ("Fn1", 1.0, 3.0, 3, 3 + 4 + 64, 5, False),  # x_1 counted during the op, dropped after; output x_2 held
+        ("Loss", 3.0, 3.0, 5, 9, 9, False),
+        ("Fck0", 3.0, 4.0, 9, 9 + 2 + 32, 11, True),
+        ("Fall1", 4.0, 6.0, 11, 11 + 16 + 64, 27, True),  # recomputed Fall(L-1): a full x̄_2 beside the held x_2
+        ("B1", 6.0, 10.0, 27, 27 + 2 + 256, 7, False),  # frees δ_2, x̄_2 and the plain checkpoint x_1
+        ("Fall0", 10.0, 11.0, 7, 7 + 8 + 32, 15, True),
+        ("B0", 11.0, 14.0, 15, 15 + 1 + 128, 6, False),
+    ]
+    assert resident(t.events[4]) == {("x", 0): 1, ("out", 2): 4, ("delta", 2): 4, ("x", 1): 2, ("xbar", 1): 16}
+    assert t.makespan == 14.0 and t.peak_memory == 285
+    assert t.n_recomputed == 3 and t.overhead == pytest.approx(0.4)
+
+
+def test_fck_into_output_and_backward_reading_checkpoint():
+    # Fck1 creates the output directly; B0 reads x_1 from inside x̄_1 left by Fall0.
+    t = simulate(CH, Schedule.parse("Fall0 Fck1 Loss Fall1 B1 B0"))
+    assert [(e.mem_before, e.mem_peak, e.mem_after) for e in t.events] == [
+        (1, 41, 9),
+        (9, 9 + 4 + 64, 13),  # Fck1: output 4; x_1 (inside x̄_1) kept
+        (13, 17, 17),
+        (17, 17 + 16 + 64, 33),  # recomputed Fall1: second copy
+        (33, 33 + 2 + 256, 33 + 2 - 4 - 16),  # x_1 is inside x̄_1, so B1 does not free it
+        (15, 15 + 1 + 128, 15 + 1 - 2 - 8),
+    ]
+
+
+def test_zero_sizes_and_times():
+    z = Chain(fwd_time=[0, 0], bwd_time=[0, 0], x=[0, 0, 0], xbar=[0, 0])
+    t = simulate(z, Schedule.parse("Fck0 Fn1 Loss Fck0 Fall1 B1 Fall0 B0"))
+    assert t.makespan == 0.0 and t.peak_memory == 0 and t.overhead == 0.0
+
+
+def test_memory_curve_and_fits():
+    t = simulate(CH, Schedule.parse("Fall0 Fall1 Loss B1 B0"))
+    times, mem = t.memory_curve()
+    assert len(times) == len(mem) == 1 + 3 * 5
+    assert mem[0] == 1 and mem.max() == 287 and mem[-1] == 6
+    assert np.all(np.diff(times) >= 0)
+    assert t.fits(287) and not t.fits(286)
+
+
+def test_repr():
+    t = simulate(CH, Schedule.parse("Fck0 Fn1 Loss Fck0 Fall1 B1 Fall0 B0", strategy="hand"))
+    assert repr(t) == "Trace(hand: 8 ops, makespan 14 s (+40.0% over store-all), peak 285 B, 3 recomputed forwards)"
+
+
+def test_single_stage_chain():
+    c = Chain(fwd_time=[1], bwd_time=[2], x=[3, 5], xbar=[7])
+    t = simulate(c, Schedule.parse("Fall0 Loss B0"))
+    assert [(e.mem_peak, e.mem_after) for e in t.events] == [(3 + 7, 10), (15, 15), (15 + 3, 3 + 5 + 3)]
+
+
+@pytest.mark.parametrize(
+    "text, index, words",
+    [
+        ("Fall0 Fall1 Loss3 B1 B0", 2, "the loss is stage 2"),
+        ("Fall0 Fall1 Loss Loss B1 B0", 3, "the loss runs once"),
+        ("Fall0 Loss2 B0", 1, "has not been computed"),
+        ("Fall0 Fall2 Loss B1 B0", 1, "stage 2 does not exist"),
+        ("Fall0 B0 Fall1 Loss B1", 1, "needs the loss"),
+        ("Fall0 Fall1 Loss B0 B1", 3, "δ_1"),
+        ("Fck0 Fn1 Loss B1 B0", 3, "x̄_2"),
+        ("Fall0 Fall1 Loss B1 B0 Fall0", 5, "already run"),
+        ("Fck0 Fn1 Fall1 Loss B1 B0", 2, "input x_1 is not resident"),
+        ("Fall0 Fall0 Fall1 Loss B1 B0", 1, "already resident"),
+        ("Fall0 Fck0 Fall1 Loss B1 B0", 1, "already resident"),
+        ("Fck0 Fck0 Fall1 Loss B1 B0", 1, "already resident"),
+        ("Fall0 Fck1 Fck1 Loss", 2, "already held by the caller"),
+        ("Fck0 Fall1 Loss B1 Fck0 Fall0 B0", 4, "no longer needed"),
+        ("Fn0 Fall1 Loss B1 Fall0 B0", 0, "cannot be dropped"),
+        ("Fall0 Fn1 Loss", 1, "part of x̄_1"),
+        ("Fall0 Fall1 Loss B1 B1 B0", 4, "δ_L"),
+        ("Fall0 Fall1 Loss B1", 4, "ends before B0"),
+        ("Fall0 Fall1", 2, "ends before the loss"),
+        ("", 0, "ends before the loss"),
+    ],
+)
+def test_invalid_schedules_name_the_first_bad_op(text, index, words):
+    with pytest.raises(InvalidSchedule, match=words) as info:
+        simulate(CH, Schedule.parse(text))
+    assert info.value.index == index
+    if index < len(text.split()):
+        assert f"op #{index}" in str(info.value)
+
+
+def test_wrong_argument_types():
+    with pytest.raises(InvalidSchedule, match="needs a Chain"):
+        simulate("chain", Schedule.parse("Fall0 Loss B0"))  # type: ignore[arg-type]
+    with pytest.raises(InvalidSchedule, match="needs a Schedule"):
+        simulate(CH, "Fall0 Fall1 Loss B1 B0")  # type: ignore[arg-type]
