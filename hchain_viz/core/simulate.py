@@ -18,6 +18,7 @@ Resident items (``Item.kind``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -148,10 +149,7 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
 
     for k, op in enumerate(schedule.ops):
         kind, i = op
-
-        def fail(why: str) -> InvalidSchedule:
-            return InvalidSchedule(f"op #{k} {op} is invalid: {why}", k)
-
+        fail = partial(_invalid, k, op)
         if kind == "Loss":
             if i != L:
                 raise fail(f"the loss is stage {L} for this {L}-stage chain")
@@ -235,6 +233,10 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                               len(schedule.ops))
     lifetimes = tuple(Lifetime(*span) for span in spans)
     return Trace(chain, schedule, tuple(Event(*e, lifetimes) for e in events), x[0], lifetimes)
+
+
+def _invalid(k: int, op: Op, why: str) -> InvalidSchedule:
+    return InvalidSchedule(f"op #{k} {op} is invalid: {why}", k)
 
 
 def _input_available(res: dict, i: int) -> bool:

@@ -183,24 +183,34 @@ def baseline_schedules(chain: Chain, budget: Budget = None) -> dict[str, Schedul
     return out
 
 
+@lru_cache(maxsize=16)
 def frontier_points(chain: Chain) -> dict[str, list[Point]]:
     """For each family, the (simulated peak bytes, makespan seconds) of every schedule it can produce.
 
-    ``store_all``, ``sqrt_n``, ``recompute_all``: one point each; ``periodic``: one per segment count 1..L;
+    ``store_all``, ``sqrt_n``, ``recompute_all``: one point each; ``periodic``: one per segment count;
     ``revolve``: one per number of checkpoint slots (each is what some budget selects); ``chen_greedy``: one per
-    distinct segmentation of the threshold sweep. Points are distinct and sorted by peak, then time; they are not
-    filtered, so a family may contain dominated points (use :func:`pareto` to drop them).
+    distinct segmentation of the threshold sweep. On long chains periodic and revolve are sampled (every count up to
+    32, then about 10% apart) to keep this interactive. Points are distinct and sorted by peak, then time; they are
+    not filtered, so a family may contain dominated points (use :func:`pareto` to drop them). Cached per chain.
     """
     L = chain.length
     schedules = {
         "store_all": [store_all(chain)],
-        "periodic": [periodic(chain, n) for n in range(1, L + 1)],
+        "periodic": [periodic(chain, n) for n in _sampled_counts(1, L)],
         "sqrt_n": [sqrt_n(chain)],
         "chen_greedy": [_chen_schedule(chain, s, t, None) for s, t in _chen_candidates(chain)],
-        "revolve": [_revolve_schedule(L, c, None) for c in range(max(0, L - 2) + 1)],
+        "revolve": [_revolve_schedule(L, c, None) for c in _sampled_counts(0, max(0, L - 2))],
         "recompute_all": [recompute_all(chain)],
     }
     return {name: sorted({_score(chain, s) for s in ss}) for name, ss in schedules.items()}
+
+
+def _sampled_counts(lo: int, hi: int) -> list[int]:
+    """Every integer in [lo, hi] up to 32, then a geometric progression (ratio ~1.1) and hi itself."""
+    counts = list(range(lo, min(hi, 32) + 1))
+    while counts[-1] < hi:
+        counts.append(min(hi, max(counts[-1] + 1, round(counts[-1] * 1.1))))
+    return counts
 
 
 def pareto(points: list[Point]) -> list[Point]:

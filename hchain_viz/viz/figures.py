@@ -1,0 +1,419 @@
+"""Plotly figures of a simulated step and of the budget/time frontier: pure functions returning ``go.Figure``.
+
+- :func:`timeline`: every op a bar over time, one row per stage (forward blue, recomputed forward red, backward
+  orange, loss grey).
+- :func:`memory_curve`: resident memory over time, stacked by kind, with the transient peaks, the budget and the peak.
+- :func:`storage_tape`: a stage × time grid of what each stage holds (checkpoint x, full x̄, output, gradient δ).
+- :func:`frontier`: makespan and overhead over store-all against the budget, for the optimal solver and baselines.
+
+Each figure is assembled from ``*_traces`` / ``*_layout`` builders that return plain dicts; the explorer pushes the
+same dicts into its FigureWidgets and the HTML export serialises them, so every view draws the same data. Figures read
+Traces (through :class:`~hchain_viz.viz.trace_view.TraceView`) and Solutions only; they never recompute memory.
+Numbers stay in bytes and seconds; axis ticks and hover text are formatted by :mod:`hchain_viz.viz.style`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..core.simulate import Trace
+from ..core.units import format_bytes, format_time
+from ..errors import HChainError
+from . import style
+from .trace_view import CATEGORIES, LAYERS, TraceView
+
+try:
+    import plotly.graph_objects as go
+except ImportError as e:  # pragma: no cover - plotly is a hard dependency of the package
+    from ..errors import DependencyError
+
+    raise DependencyError("hchain_viz.viz needs plotly; install it with `pip install plotly`") from e
+
+__all__ = ["timeline", "memory_curve", "storage_tape", "frontier"]
+
+_FUTURE_OPACITY = 0.22  # ops after the step cursor are drawn faint
+
+
+def _view(trace: Trace | TraceView) -> TraceView:
+    if isinstance(trace, TraceView):
+        return trace
+    if not isinstance(trace, Trace):
+        raise HChainError(f"expected a Trace (from hcv.simulate(chain, schedule)), got {type(trace).__name__}")
+    return TraceView.of(trace)
+
+
+def _cursor_shapes(view: TraceView, step: int | None) -> list[dict]:
+    """The player's cursor after ``step`` ops: always one shape, hidden without a step, so that widgets update it
+    in place (plotly.py's layout.shapes view goes stale when the number of shapes changes)."""
+    t = view.time_at(step)
+    return [dict(type="line", x0=t, x1=t, y0=0, y1=1, yref="paper", xref="x", visible=step is not None,
+                 line=dict(color=style.CURSOR_COLOR, width=2))]
+
+
+def _check_step(view: TraceView, step: int | None) -> int | None:
+    if step is None:
+        return None
+    if not 0 <= step <= view.n:
+        raise HChainError(f"step {step} is out of range; a step is a number of ops done, 0..{view.n}")
+    return int(step)
+
+
+# ====================================================================== timeline
+def timeline_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] | None = None) -> list[dict]:
+    """Four traces (forward, recomputed forward, backward bars; loss markers) of the ops of ``view``.
+
+    Bars have ``base`` = op start and ``x`` = duration; ops at or after ``step`` are faint.
+    """
+    uname, scale = unit or style.byte_unit(view.peak)
+    idx = np.arange(view.n)
+    mem = np.column_stack([view.start, view.end, view.mem_before / scale, view.mem_peak / scale,
+                           view.mem_after / scale]) if view.n else np.zeros((0, 5))
+    hover = ("%{text}<br>%{customdata[0]:" + style.TIME_HOVER + "}s → %{customdata[1]:" + style.TIME_HOVER
+             + "}s<br>memory %{customdata[2]:.4g} → %{customdata[4]:.4g} " + uname
+             + " (peak %{customdata[3]:.4g} " + uname + ")<extra>%{fullData.name}</extra>")
+    out = []
+    for c, cat in enumerate(CATEGORIES):
+        m = view.category == c
+        common = dict(name=style.OP_LABELS[cat], customdata=mem[m], text=view.labels[m], hovertemplate=hover,
+                      y=view.stage[m], legendgroup=cat)
+        opacity = 1.0 if step is None else np.where(idx[m] < step, 1.0, _FUTURE_OPACITY)
+        if cat == "loss":  # zero duration: a marker, not a bar
+            out.append(dict(type="scatter", mode="markers", x=view.start[m],
+                            marker=dict(color=style.OP_COLORS[cat], symbol="diamond", size=10, opacity=opacity),
+                            **common))
+        else:
+            out.append(dict(type="bar", orientation="h", base=view.start[m], x=view.end[m] - view.start[m],
+                            width=0.8, textposition="none",
+                            marker=dict(color=style.OP_COLORS[cat], opacity=opacity, line_width=0), **common))
+    return out
+
+
+def _stage_axis(view: TraceView, loss_label: str = "loss") -> dict:
+    L = view.trace.chain.length
+    names = list(view.trace.chain.names) + [loss_label]
+    every = max(1, (L + 1) // 24)  # at most ~24 labels
+    vals = list(range(0, L + 1, every))
+    if vals[-1] != L:
+        vals.append(L)
+    return dict(tickmode="array", tickvals=vals, ticktext=[f"{i} {names[i]}" if i < L else names[i] for i in vals],
+                range=[-0.6, L + 0.6], title_text="stage", zeroline=False, showgrid=False)
+
+
+def _rows_height(view: TraceView) -> int:
+    return max(260, min(640, 140 + 14 * (view.trace.chain.length + 1)))  # ~14 px per stage row
+
+
+def timeline_layout(view: TraceView, step: int | None = None, title: str | None = None) -> dict:
+    """Layout of the timeline: stage rows, a time axis, and the step cursor when ``step`` is given."""
+    name = view.trace.schedule.meta.get("strategy", "schedule")
+    lay = style.base_layout(title or f"Timeline ({name}): {view.n} ops, {format_time(view.makespan)}",
+                            height=_rows_height(view))
+    lay.update(barmode="overlay", bargap=0, yaxis=_stage_axis(view),
+               xaxis=dict(style.TIME_AXIS, range=[0, max(view.makespan, 1e-12)]),
+               shapes=_cursor_shapes(view, step))
+    return lay
+
+
+def timeline(trace: Trace, step: int | None = None) -> go.Figure:
+    """Every op of ``trace`` as a bar over time on its stage's row; ``step`` draws a cursor after that many ops."""
+    view = _view(trace)
+    step = _check_step(view, step)
+    return go.Figure(data=timeline_traces(view, step), layout=timeline_layout(view, step))
+
+
+# ====================================================================== memory curve
+def memory_traces(view: TraceView, budget: int | None = None, step: int | None = None,
+                  overlay: TraceView | None = None, unit: tuple[str, int] | None = None) -> list[dict]:
+    """Traces of the memory figure, in this order: the three stacked layers (checkpoints, saved activations,
+    gradients), the total with transient peaks, the peak marker, the budget line, the overlay's total.
+
+    The total is exactly :meth:`Trace.memory_curve` drawn as a step (memory reaches the op's peak at its start and
+    holds it until its end). Layers are drawn after each op; up to ``step`` ops when given.
+    """
+    uname, scale = unit or style.byte_unit(max(view.peak, budget or 0))
+    k = view.n if step is None else step
+    t_curve, m_curve = view.trace.memory_curve()
+    n_pts = 1 + 3 * k  # memory_curve has the initial point, then (start, start, end) per op
+    t_layer = np.concatenate([[0.0], view.end[:k]])
+    out = []
+    cum = np.zeros(k + 1, np.int64)
+    for j, layer in enumerate(LAYERS):
+        own = view.layers[j, : k + 1]
+        cum = cum + own
+        out.append(dict(
+            type="scatter", mode="lines", name=style.KIND_LABELS[layer], x=t_layer, y=cum, customdata=own / scale,
+            line=dict(shape="hv", width=0.5, color=style.KIND_COLORS[layer]), fillcolor=style.KIND_COLORS[layer],
+            fill="tozeroy" if j == 0 else "tonexty",
+            hovertemplate=f"{style.KIND_LABELS[layer]}: %{{customdata:.4g}} {uname}<extra></extra>"))
+    point_labels = np.concatenate([["start"], np.repeat(view.labels, 3)])[:n_pts]
+    out.append(dict(
+        type="scatter", mode="lines", name="total (with transients)", x=t_curve[:n_pts], y=m_curve[:n_pts],
+        customdata=m_curve[:n_pts] / scale, text=point_labels,
+        line=dict(shape="hv", width=1.5, color=style.TOTAL_COLOR),
+        hovertemplate="%{text}<br>t = %{x:" + style.TIME_HOVER + "}s<br>%{customdata:.4g} " + uname
+                      + "<extra>total</extra>"))
+    if view.n and view.trace.peak_index < k:
+        p = view.trace.peak_index
+        peak_pt = dict(x=[view.start[p]], y=[view.mem_peak[p]], text=[f"peak {format_bytes(view.mem_peak[p])}"])
+    else:
+        peak_pt = dict(x=[], y=[], text=[])
+    out.append(dict(type="scatter", mode="markers+text", name="peak", textposition="top center",
+                    marker=dict(color=style.PEAK_COLOR, size=9, symbol="triangle-down"), hoverinfo="text",
+                    **peak_pt))
+    t_end = max(view.makespan, overlay.makespan if overlay is not None else 0.0)
+    out.append(dict(type="scatter", mode="lines", name="budget" if budget is None else f"budget {format_bytes(budget)}",
+                    x=[] if budget is None else [0.0, t_end], y=[] if budget is None else [budget, budget],
+                    line=dict(color=style.BUDGET_COLOR, dash="dash", width=1.5), hoverinfo="name",
+                    showlegend=budget is not None))
+    if overlay is not None:
+        t_o, m_o = overlay.trace.memory_curve()
+        oname = overlay.trace.schedule.meta.get("strategy", "overlay")
+        out.append(dict(type="scatter", mode="lines", name=f"{oname} (total)", x=t_o, y=m_o,
+                        line=dict(shape="hv", width=1.5, dash="dot", color=style.OVERLAY_COLOR), hoverinfo="name",
+                        showlegend=True))
+    else:
+        out.append(dict(type="scatter", mode="lines", name="overlay", x=[], y=[], showlegend=False,
+                        line=dict(shape="hv", width=1.5, dash="dot", color=style.OVERLAY_COLOR)))
+    return out
+
+
+def memory_layout(view: TraceView, budget: int | None = None, step: int | None = None,
+                  overlay: TraceView | None = None, title: str | None = None) -> dict:
+    """Layout of the memory figure: MiB/GiB ticks up to the highest of peak, budget and overlay."""
+    top = max(view.peak, budget or 0, overlay.peak if overlay is not None else 0)
+    t_end = max(view.makespan, overlay.makespan if overlay is not None else 0.0, 1e-12)
+    name = view.trace.schedule.meta.get("strategy", "schedule")
+    lay = style.base_layout(title or f"Memory ({name}): peak {format_bytes(view.peak)}"
+                            + ("" if budget is None else f" of {format_bytes(budget)} budget"))
+    lay.update(yaxis=dict(style.byte_axis(0, top * 1.08), range=[0, top * 1.12]),
+               xaxis=dict(style.TIME_AXIS, range=[0, t_end]), hovermode="closest",
+               shapes=_cursor_shapes(view, step))
+    return lay
+
+
+def memory_curve(trace: Trace, budget: int | None = None, step: int | None = None) -> go.Figure:
+    """Resident memory of ``trace`` over time, stacked by kind, with transient peaks, the peak and the ``budget``.
+
+    ``step`` reveals the curve up to that many ops, as the explorer's player does.
+    """
+    view = _view(trace)
+    step = _check_step(view, step)
+    return go.Figure(data=memory_traces(view, budget, step), layout=memory_layout(view, budget, step))
+
+
+# ====================================================================== storage tape
+TAPE_KINDS = ("xbar", "out", "delta", "x")  # drawing order: narrow bars last, on top
+
+
+def tape_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] | None = None) -> list[dict]:
+    """Four bar traces (x̄, output, gradient, checkpoint) of item lifetimes; up to ``step`` ops when given.
+
+    Row i holds x_i (its input, kept as a checkpoint), x̄_{i+1} (what its recording forward saved) and δ_i (the
+    gradient its backward produced); row L holds the output x_L and δ_L.
+    """
+    uname, scale = unit or style.byte_unit(view.peak)
+    if step is None:
+        keep = np.ones(len(view.item_i0), bool)
+        t1 = view.item_t1
+    else:
+        keep = view.item_i0 < step
+        t1 = np.where(view.item_i1 < step, view.item_t1, view.time_at(step))
+    out = []
+    for kind in TAPE_KINDS:
+        m = keep & (view.item_kind == kind)
+        stage = view.item_stage[m]  # items carry their row already: ("out", L), ("delta", L) sit on the loss row
+        sub = {"x": "x_%d", "xbar": "x̄_%d", "out": "output x_%d", "delta": "δ_%d"}[kind]
+        shift = 1 if kind == "xbar" else 0
+        text = np.array([sub % (s + shift) for s in stage.tolist()] + [""], dtype=object)[:-1]
+        out.append(dict(
+            type="bar", orientation="h", name=style.TAPE_LABELS[kind], y=stage, base=view.item_t0[m],
+            x=t1[m] - view.item_t0[m], width=style.TAPE_WIDTHS[kind], text=text, textposition="none",
+            customdata=np.column_stack([view.item_size[m] / scale, view.item_t0[m], t1[m]]) if m.any()
+            else np.zeros((0, 3)),
+            marker=dict(color=style.TAPE_COLORS[kind], line_width=0),
+            hovertemplate="%{text}: %{customdata[0]:.4g} " + uname + "<br>%{customdata[1]:" + style.TIME_HOVER
+                          + "}s → %{customdata[2]:" + style.TIME_HOVER + "}s<extra></extra>"))
+    return out
+
+
+def tape_layout(view: TraceView, step: int | None = None, title: str | None = None) -> dict:
+    """Layout of the storage tape: the same stage rows and time axis as the timeline."""
+    lay = style.base_layout(title or "Storage tape: what each stage holds",
+                            height=_rows_height(view))
+    lay.update(barmode="overlay", bargap=0, yaxis=_stage_axis(view, "output / loss"),
+               xaxis=dict(style.TIME_AXIS, range=[0, max(view.makespan, 1e-12)]),
+               shapes=_cursor_shapes(view, step))
+    return lay
+
+
+def storage_tape(trace: Trace, step: int | None = None) -> go.Figure:
+    """A stage × time grid of what each stage holds: nothing, a checkpoint x, a full x̄, the output or a gradient δ."""
+    view = _view(trace)
+    step = _check_step(view, step)
+    return go.Figure(data=tape_traces(view, step), layout=tape_layout(view, step))
+
+
+# ====================================================================== frontier
+@dataclass(frozen=True)
+class FrontierData:
+    """The budget→makespan curves of a Solution and of baselines, read once; arrays in bytes and seconds."""
+
+    budgets: np.ndarray  # optimal curve, dense enough that a click anywhere lands near a point
+    makespans: np.ndarray
+    steps_b: np.ndarray  # the Solution's frontier breakpoints
+    steps_t: np.ndarray
+    baselines: dict[str, tuple[np.ndarray, np.ndarray]]
+    min_budget: int
+    max_budget: int
+    store_all_time: float
+    x_range: tuple[float, float]
+    y_range: tuple[float, float]
+
+    def makespan(self, budget: float) -> float:
+        """Optimal makespan at ``budget`` read from the Solution's frontier steps (inf below the least budget)."""
+        k = np.searchsorted(self.steps_b, budget, side="right") - 1
+        return float(self.steps_t[k]) if k >= 0 else float("inf")
+
+    @classmethod
+    def of(cls, solution: Any, strategies: Any = None, n_dense: int = 400) -> FrontierData:
+        pts = sorted((int(b), float(t)) for b, t in solution.frontier() if np.isfinite(t))
+        if not pts:
+            raise HChainError("the solution has no feasible budget; solve with a larger max_budget")
+        steps_b = np.array([b for b, _ in pts], np.int64)
+        steps_t = np.array([t for _, t in pts], float)
+        chain = solution.chain
+        lo_b = int(solution.min_budget)
+        hi_b = int(max(steps_b[-1], getattr(solution, "store_all_peak", steps_b[-1])))
+        dense = np.linspace(lo_b, hi_b, n_dense).round().astype(np.int64)
+        budgets = np.unique(np.concatenate([steps_b, dense, [hi_b]]))
+        budgets = budgets[budgets >= steps_b[0]]
+        k = np.searchsorted(steps_b, budgets, side="right") - 1
+        makespans = steps_t[k]
+        baselines = _baseline_points(chain, strategies)
+        span = max(hi_b - lo_b, hi_b * 0.05, 1)
+        peaks = [float(np.max(b)) for b, _ in baselines.values() if len(b)]
+        x_hi = max([hi_b] + [p for p in peaks if p <= hi_b + 2 * span]) + 0.04 * span
+        x_lo = max(0.0, lo_b - 0.12 * span)
+        T = chain.store_all_time
+        times = [float(makespans.max())] + [float(np.max(t)) for _, t in baselines.values() if len(t)]
+        y_hi = min(max(times), max(float(makespans.max()), T) * 1.6)  # far-off baselines must not flatten the curve
+        y_lo = min(T, float(makespans.min()))
+        pad = max(y_hi - y_lo, T * 0.02, 1e-12) * 0.06
+        return cls(budgets, makespans, steps_b, steps_t, baselines, lo_b, hi_b, T, (x_lo, x_hi),
+                   (y_lo - pad, y_hi + pad))
+
+
+def _baseline_points(chain: Any, strategies: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``strategies``: None (every baseline the strategies module offers), False/empty (none), a list of names,
+    or a mapping name → [(peak_bytes, makespan)]."""
+    if strategies is None or (isinstance(strategies, Sequence) and not isinstance(strategies, str)):
+        from ..core import strategies as strat
+
+        if not hasattr(strat, "frontier_points"):
+            if strategies:
+                raise HChainError("baseline frontiers are unavailable: core.strategies has no frontier_points()")
+            points = {}
+        else:
+            points = strat.frontier_points(chain)
+        if strategies is not None:
+            unknown = [s for s in strategies if s not in points]
+            if unknown:
+                raise HChainError(f"unknown strategies {unknown}; choose among {sorted(points)}")
+            points = {s: points[s] for s in strategies}
+    elif strategies is False:
+        points = {}
+    elif isinstance(strategies, Mapping):
+        points = dict(strategies)
+    else:
+        raise HChainError(f"strategies must be None, a list of names or a mapping name -> [(peak, makespan)], "
+                          f"got {type(strategies).__name__}")
+    out = {}
+    for name, pts in points.items():
+        pts = sorted((float(b), float(t)) for b, t in pts)
+        out[name] = (np.array([b for b, _ in pts]), np.array([t for _, t in pts]))
+    return out
+
+
+def frontier_traces(data: FrontierData, budget: int | None = None, unit: tuple[str, int] | None = None,
+                    chain_name: str = "optimal") -> list[dict]:
+    """Traces: the optimal curve, one per baseline, the current budget line and its point, a hidden trace on the
+    overhead axis. The current budget pieces are the last three traces."""
+    uname, scale = unit or style.byte_unit(data.max_budget)
+    T = data.store_all_time
+
+    def over(t: np.ndarray) -> np.ndarray:
+        return 100.0 * (t / T - 1.0) if T > 0 else np.zeros_like(t)
+
+    hover = ("%{fullData.name}<br>budget %{customdata[0]:.4g} " + uname + "<br>makespan %{y:" + style.TIME_HOVER
+             + "}s (%{customdata[1]:+.1f}% over store-all)<extra></extra>")
+    out = [dict(type="scatter", mode="lines", name=chain_name, x=data.budgets, y=data.makespans,
+                customdata=np.column_stack([data.budgets / scale, over(data.makespans)]), hovertemplate=hover,
+                line=dict(shape="hv", width=2.5, color=style.strategy_color("optimal")))]
+    for j, (name, (b, t)) in enumerate(data.baselines.items()):
+        out.append(dict(type="scatter", mode="lines+markers", name=name, x=b, y=t,
+                        customdata=np.column_stack([b / scale, over(t)]) if len(b) else np.zeros((0, 2)),
+                        hovertemplate=hover, line=dict(width=1, dash="dot", color=style.strategy_color(name, j)),
+                        marker=dict(size=7, color=style.strategy_color(name, j))))
+    out += frontier_budget_traces(data, budget)
+    y2 = over(np.asarray(data.y_range))
+    out.append(dict(type="scatter", mode="markers", x=[data.x_range[0]] * 2, y=y2, yaxis="y2", showlegend=False,
+                    hoverinfo="skip", marker=dict(opacity=0), name="overhead axis"))
+    return out
+
+
+def frontier_budget_traces(data: FrontierData, budget: int | None,
+                           point: tuple[float, float] | None = None) -> list[dict]:
+    """The two traces that mark the current budget: a vertical line and a point — the optimal one at ``budget``,
+    or ``point`` = (peak bytes, makespan) of the schedule on screen when it is a baseline."""
+    line = dict(x=[], y=[]) if budget is None else dict(x=[budget, budget], y=list(data.y_range))
+    if point is None and budget is not None:
+        point = (budget, data.makespan(budget))
+    if point is None or not np.isfinite(point[1]):
+        point = dict(x=[], y=[], text=[])
+    else:
+        point = dict(x=[point[0]], y=[point[1]], text=[f"{format_bytes(point[0])}: {format_time(point[1])}"])
+    return [dict(type="scatter", mode="lines", name="budget", showlegend=False, hoverinfo="skip",
+                 line=dict(color=style.BUDGET_COLOR, dash="dash", width=1.5), **line),
+            dict(type="scatter", mode="markers", name="current", showlegend=False, hoverinfo="text",
+                 marker=dict(color=style.BUDGET_COLOR, size=11, symbol="circle-open", line_width=2), **point)]
+
+
+def frontier_layout(data: FrontierData, title: str | None = None) -> dict:
+    """Layout of the frontier: budget axis in MiB/GiB, makespan on the left, overhead % on the right, the
+    infeasible budgets (below the least feasible one) shaded."""
+    T = data.store_all_time
+    lay = style.base_layout(title or f"Makespan vs memory budget (least feasible {format_bytes(data.min_budget)})")
+    x_lo, x_hi = data.x_range
+    lay.update(
+        xaxis=dict(style.byte_axis(x_lo, x_hi, ""), range=[x_lo, x_hi]),
+        yaxis=dict(title_text="makespan", tickformat="~s", ticksuffix="s", range=list(data.y_range)),
+        hovermode="x",  # a click anywhere picks the nearest budget: the explorer jumps there
+        shapes=[dict(type="rect", xref="x", yref="paper", x0=x_lo, x1=data.min_budget, y0=0, y1=1,
+                     fillcolor=style.INFEASIBLE_FILL, line_width=0, layer="below")],
+        annotations=[dict(x=(x_lo + data.min_budget) / 2, y=0.5, xref="x", yref="paper", text="infeasible",
+                          showarrow=False, textangle=-90, font=dict(color="#555"))],
+    )
+    if T > 0:
+        lo, hi = data.y_range
+        lay["yaxis2"] = dict(title_text="overhead over store-all", overlaying="y", side="right", ticksuffix="%",
+                             range=[100 * (lo / T - 1), 100 * (hi / T - 1)], showgrid=False, zeroline=False)
+        lay["margin"] = dict(style.MARGIN, r=60)
+    return lay
+
+
+def frontier(solution: Any, strategies: Any = None, budget: int | None = None) -> go.Figure:
+    """Makespan (left axis) and overhead over store-all (right axis) against the budget.
+
+    ``solution`` is what :func:`hchain_viz.solve` returns; ``strategies`` picks the baselines drawn beside the
+    optimal curve (None: all of ``core.strategies.frontier_points``; False: none; a list of names; or a mapping
+    name → [(peak_bytes, makespan)]). ``budget`` (bytes) is marked with a line.
+    """
+    for attr in ("frontier", "min_budget", "chain"):
+        if not hasattr(solution, attr):
+            raise HChainError(f"frontier() needs a Solution from hcv.solve(chain), got {type(solution).__name__}")
+    data = FrontierData.of(solution, strategies)
+    return go.Figure(data=frontier_traces(data, budget), layout=frontier_layout(data))

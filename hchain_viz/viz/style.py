@@ -1,0 +1,110 @@
+"""Colours, labels and axis formatting shared by every figure, the explorer and the HTML export.
+
+One place decides how things look: op colours (DESIGN §6: forward blue, backward orange, loss grey, recomputation a
+distinct colour), memory-kind colours, and how bytes and seconds become axis ticks and hover text. Numbers stay in
+bytes and seconds inside figures; only the labels are pretty-printed, through :mod:`hchain_viz.core.units`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..core.units import format_bytes
+
+# Op categories on the timeline. Recomputed forwards get a loud colour: they are the point of the picture.
+OP_COLORS = {
+    "forward": "#1f77b4",  # blue: first forward of a stage
+    "recompute": "#d62728",  # red: a forward run again
+    "backward": "#ff7f0e",  # orange
+    "loss": "#7f7f7f",  # grey
+}
+OP_LABELS = {"forward": "forward", "recompute": "recomputed forward", "backward": "backward", "loss": "loss"}
+
+# Resident memory by kind (Trace items). x̄ and the held output are both "full saved activations".
+KIND_COLORS = {
+    "x": "#2ca02c",  # green: plain checkpoints x_i (x_0 included)
+    "saved": "#9ecae1",  # light blue: x̄ and the held output x_L, what autograd-recording forwards leave
+    "delta": "#fdae6b",  # light orange: gradients δ_i
+}
+KIND_LABELS = {"x": "checkpoints x", "saved": "saved activations x̄ / output", "delta": "gradients δ"}
+# Storage tape: one colour per item kind, drawn as bars of different widths so co-resident items stay visible.
+TAPE_COLORS = {"xbar": "#6baed6", "out": "#9467bd", "delta": "#fd8d3c", "x": "#238b45"}
+TAPE_LABELS = {"xbar": "full x̄ (saved for backward)", "out": "output x_L (held)", "delta": "gradient δ",
+               "x": "checkpoint x"}
+TAPE_WIDTHS = {"xbar": 0.9, "out": 0.9, "delta": 0.6, "x": 0.35}
+
+TOTAL_COLOR = "#222222"
+BUDGET_COLOR = "#000000"
+PEAK_COLOR = "#d62728"
+OVERLAY_COLOR = "#8c564b"
+CURSOR_COLOR = "#e377c2"
+INFEASIBLE_FILL = "rgba(128, 128, 128, 0.25)"
+# Baselines on the frontier, in a stable order; unknown names fall back to the cycle.
+STRATEGY_COLORS = {
+    "optimal": "#1f77b4",
+    "store_all": "#7f7f7f",
+    "recompute_all": "#8c564b",
+    "periodic": "#2ca02c",
+    "sqrt_n": "#9467bd",
+    "revolve": "#e377c2",
+    "chen_greedy": "#bcbd22",
+}
+_CYCLE = ("#17becf", "#ff7f0e", "#d62728", "#aec7e8", "#98df8a", "#c5b0d5")
+
+FONT = dict(family="Helvetica, Arial, sans-serif", size=12)
+MARGIN = dict(l=60, r=20, t=36, b=30)
+
+# Time axes hold seconds; d3's SI format turns 0.0012 into "1.2m", and the suffix makes it "1.2ms".
+TIME_AXIS = dict(tickformat="~s", ticksuffix="s", zeroline=False)
+TIME_HOVER = ".3~s"  # d3 format for seconds in hover templates, followed by "s"
+
+_BINARY_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def strategy_color(name: str, index: int = 0) -> str:
+    """The colour of a strategy on the frontier and in overlays."""
+    return STRATEGY_COLORS.get(name, _CYCLE[index % len(_CYCLE)])
+
+
+def byte_unit(max_bytes: float) -> tuple[str, int]:
+    """The binary unit (name, scale) that keeps ``max_bytes`` readable: 300 MiB rather than 0.29 GiB."""
+    for name, scale in _BINARY_UNITS:
+        if max_bytes >= scale:
+            return name, scale
+    return "B", 1
+
+
+def byte_ticks(lo: float, hi: float, n: int = 6) -> tuple[list[float], list[str]]:
+    """Tick positions (bytes) at round binary values between ``lo`` and ``hi``, labelled like ``256 MiB``."""
+    hi = max(hi, lo + 1)
+    _, scale = byte_unit(max(abs(hi), abs(lo)))
+    span = (hi - lo) / scale
+    raw = span / max(n - 1, 1)
+    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    if scale == 1:
+        step = max(1.0, round(step))  # whole bytes
+    first = math.ceil(lo / scale / step) * step
+    vals = [v * scale for v in np.arange(first, hi / scale + step * 1e-9, step)]
+    return vals, [format_bytes(v) for v in vals]
+
+
+def byte_axis(lo: float, hi: float, title: str = "memory") -> dict:
+    """Layout for a memory axis over [lo, hi] bytes with MiB/GiB tick labels."""
+    vals, text = byte_ticks(lo, hi)
+    return dict(tickmode="array", tickvals=vals, ticktext=text, title_text=title, zeroline=False)
+
+
+def base_layout(title: str, height: int = 320) -> dict:
+    """Common layout of every figure: compact margins, legend below the plot."""
+    return dict(
+        title=dict(text=title, x=0.01, xanchor="left", font=dict(size=14)),
+        height=height,
+        margin=MARGIN,
+        font=FONT,
+        template="plotly_white",
+        legend=dict(orientation="h", yanchor="top", y=-0.08, xanchor="left", x=0.0),  # below: titles stay clear
+        hoverlabel=dict(namelength=-1),
+    )

@@ -1,0 +1,277 @@
+"""The explorer reacts to budget, strategy, overlay and step changes, to its controls and to frontier clicks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+from plotly.callbacks import InputDeviceState, Points
+
+import hchain_viz as hcv
+from hchain_viz.core import strategies
+from hchain_viz.errors import HChainError, InfeasibleBudget
+from hchain_viz.viz import style
+from hchain_viz.viz.explorer import Explorer
+from hchain_viz.viz.throttle import Throttle
+
+
+@pytest.fixture(scope="module")
+def chain():
+    return hcv.Chain.random(8, seed=4)
+
+
+@pytest.fixture(scope="module")
+def solution(chain):
+    return hcv.solve(chain)
+
+
+@pytest.fixture
+def ex(chain, solution):
+    return Explorer(chain, solution=solution)
+
+
+def trace_named(fig, name):
+    (t,) = [t for t in fig.data if t.name == name]
+    return t
+
+
+def bar_times(fig):
+    """(start, end, stage) of every bar and marker of the timeline."""
+    out = []
+    for t in fig.data:
+        start = np.asarray(t.base if t.type == "bar" else t.x, float)
+        end = start + (np.asarray(t.x, float) if t.type == "bar" else 0.0)
+        out += zip(start.tolist(), end.tolist(), np.asarray(t.y).tolist())
+    return sorted(out)
+
+
+def expected_times(trace):
+    return sorted((e.start, e.end, e.op.stage) for e in trace.events)
+
+
+def low_budget(solution):
+    """A budget where the optimal schedule recomputes."""
+    return next(b for b, t in solution.frontier() if t > solution.chain.store_all_time)
+
+
+def test_initial_state_draws_the_optimal_schedule(ex, solution):
+    assert ex.min_budget == solution.min_budget and ex.max_budget == solution.store_all_peak
+    assert ex.min_budget <= ex.budget <= ex.max_budget
+    assert ex.strategy == "optimal" and ex.step == len(ex.schedule)
+    assert ex.schedule.ops == solution.schedule(ex.budget).ops
+    assert set(ex.figures) == {"frontier", "memory", "timeline", "tape"}
+    assert bar_times(ex.figures["timeline"]) == expected_times(hcv.simulate(ex.chain, ex.schedule))
+    assert "Explorer(8 stages" in repr(ex)
+
+
+def test_budget_change_updates_every_figure(ex, solution):
+    figs = ex.figures
+    before_tl = bar_times(figs["timeline"])
+    before_mem = np.asarray(trace_named(figs["memory"], "total (with transients)").y).copy()
+    before_tape = sum(len(t.y) for t in figs["tape"].data)
+    b = low_budget(solution)
+    ex.budget = b
+    assert ex.budget == b and ex.schedule.ops == solution.schedule(b).ops
+    trace = hcv.simulate(ex.chain, solution.schedule(b))
+    assert bar_times(figs["timeline"]) == expected_times(trace) != before_tl
+    total = trace_named(figs["memory"], "total (with transients)")
+    assert np.array_equal(np.asarray(total.y), trace.memory_curve()[1])
+    assert not np.array_equal(np.asarray(total.y), before_mem)
+    assert list(trace_named(figs["memory"], f"budget {hcv.format_bytes(b)}").y) == [b, b]
+    assert sum(len(t.y) for t in figs["tape"].data) != before_tape
+    assert list(trace_named(figs["frontier"], "budget").x) == [b, b]
+    assert ex._budget_slider.value == b and hcv.format_bytes(b) in ex._budget_label.value
+    assert f"<td>{trace.n_recomputed}</td>" in ex._stats.value and trace.n_recomputed > 0
+    ex.budget = "1GiB"  # text works; above store-all the answer is store-all
+    assert ex.budget == 2**30 and ex.schedule.n_recomputed == 0
+
+
+def test_infeasible_budget_is_refused_and_nothing_changes(ex):
+    b = ex.budget
+    with pytest.raises(InfeasibleBudget, match="least feasible budget") as err:
+        ex.budget = ex.min_budget - 1
+    assert err.value.min_budget == ex.min_budget
+    assert ex.budget == b
+
+
+def test_strategy_switch_and_overlay(ex, chain, solution):
+    ex.budget = solution.store_all_peak
+    ex.strategy = "recompute_all"
+    assert ex.schedule.ops == strategies.recompute_all(chain).ops
+    rec = trace_named(ex.figures["timeline"], style.OP_LABELS["recompute"])
+    assert len(rec.y) == strategies.recompute_all(chain).n_recomputed > 0
+    assert ex._strategy_dd.value == "recompute_all"
+    ex.overlay = "store_all"
+    over = trace_named(ex.figures["memory"], "store_all (total)")
+    assert np.array_equal(np.asarray(over.y), hcv.simulate(chain, strategies.store_all(chain)).memory_curve()[1])
+    assert "store_all" in ex._stats.value
+    ex.overlay = None
+    assert all(t.name != "store_all (total)" for t in ex.figures["memory"].data)
+    ex._strategy_dd.value = "optimal"  # the dropdown drives the same state
+    assert ex.strategy == "optimal" and ex.schedule.ops == solution.schedule(ex.budget).ops
+    with pytest.raises(HChainError, match="unknown strategy"):
+        ex.strategy = "fastest"
+
+
+def test_baseline_that_cannot_fit_is_shown_at_its_least_budget_with_a_note(ex, chain):
+    ex.budget = ex.min_budget
+    ex.strategy = "store_all"
+    assert ex.schedule.ops == strategies.store_all(chain).ops
+    assert "store_all needs at least" in ex._stats.value
+
+
+def test_step_moves_the_cursor_and_reveals_memory(ex, solution):
+    ex.budget = low_budget(solution)
+    n = len(ex.schedule)
+    figs = ex.figures
+    for k in (0, 5, n):
+        ex.step = k
+        t = ex.trace.events[k - 1].end if k else 0.0
+        for name in ("timeline", "memory", "tape"):
+            assert figs[name].layout.shapes[0].x0 == pytest.approx(t), name
+        assert len(trace_named(figs["memory"], "total (with transients)").y) == 1 + 3 * k
+        faint = sum(int(np.sum(np.asarray(tr.marker.opacity) < 1)) for tr in figs["timeline"].data)
+        assert faint == n - k
+        assert ex._step_slider.value == k
+    assert f"{n} / {n}" in ex._step_label.value
+    ex._step_slider.value = 3  # what the Play widget drives, through jslink
+    assert ex.step == 3
+    with pytest.raises(HChainError, match="step must be"):
+        ex.step = n + 1
+
+
+def test_budget_change_resets_the_player(ex, solution):
+    ex.step = 2
+    ex.budget = solution.store_all_peak
+    assert ex.step == len(ex.schedule) == ex._play.max == ex._step_slider.max
+    assert ex.figures["timeline"].layout.shapes[0].visible is False  # the whole step shown: no cursor
+
+
+def test_clicking_the_frontier_sets_the_budget(ex, solution):
+    fig = ex.figures["frontier"]
+    opt = trace_named(fig, "optimal")
+    b = int(opt.x[len(opt.x) // 3])
+    opt._dispatch_on_click(Points(point_inds=[0], xs=[b], ys=[1.0], trace_name="optimal", trace_index=0),
+                           InputDeviceState())
+    assert ex.budget == b
+    assert list(trace_named(fig, "budget").x) == [b, b]
+    opt._dispatch_on_click(Points(point_inds=[0], xs=[10 * solution.store_all_peak], ys=[1.0]), InputDeviceState())
+    assert ex.budget == ex.max_budget  # clamped to the slider's range
+    assert not trace_named(fig, "sqrt_n")._click_callbacks  # one curve answers a click, so one budget wins
+
+
+def test_budget_slider_drives_the_budget(ex):
+    target = (ex.min_budget + 2 * ex.max_budget) // 3
+    ex._budget_slider.value = target  # no event loop here: the throttle runs at once
+    assert ex.budget == target
+
+
+def test_save_schedule_writes_json(ex, tmp_path, solution):
+    ex.budget = low_budget(solution)
+    path = ex.save_schedule(tmp_path / "s.json")
+    back = hcv.Schedule.from_json(path)
+    assert back.ops == ex.schedule.ops
+    meta = json.loads(open(path).read())
+    assert meta["budget"] == ex.budget and meta["strategy"] == "optimal"
+    assert meta["makespan"] == pytest.approx(ex.trace.makespan) and meta["peak"] == ex.trace.peak_memory
+    ex._path.value = str(tmp_path / "button.json")
+    ex._save.click()
+    assert hcv.Schedule.from_json(str(tmp_path / "button.json")).ops == ex.schedule.ops
+    assert "saved" in ex._save_label.value
+    ex._path.value = str(tmp_path / "missing-dir" / "x.json")
+    ex._save.click()
+    assert "cannot write" in ex._save_label.value
+
+
+def test_wrap_needs_a_model(ex):
+    with pytest.raises(HChainError, match="no model"):
+        ex.wrap()
+
+
+def test_display_hooks(ex):
+    bundle = ex._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+
+
+def test_bad_arguments(chain, solution):
+    with pytest.raises(HChainError, match="needs a Chain"):
+        Explorer(solution)
+    with pytest.raises(HChainError, match="another chain"):
+        Explorer(hcv.Chain.random(5, seed=9), solution=solution)
+    with pytest.raises(HChainError, match="unknown strategy"):
+        Explorer(chain, solution=solution, strategy="nope")
+
+
+# ---------------------------------------------------------------------------------------------- throttle
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_throttle_without_event_loop_runs_every_call():
+    seen = []
+    th = Throttle(seen.append, 10.0)
+    th(1)
+    th(2)
+    assert seen == [1, 2]
+
+
+def test_throttle_coalesces_a_burst_and_ends_on_the_last_value():
+    seen = []
+
+    async def drag():
+        th = Throttle(seen.append, 0.05)
+        for v in range(10):  # a burst well inside one interval
+            th(v)
+        assert seen == [0] and th.pending
+        await asyncio.sleep(0.12)
+        assert not th.pending
+        th(42)  # long after the last call: runs at once
+        assert seen[-1] == 42
+
+    asyncio.run(drag())
+    assert seen == [0, 9, 42]
+
+
+def test_throttle_flush_and_clock():
+    seen = []
+    clock = FakeClock()
+
+    async def run():
+        th = Throttle(seen.append, 1.0, clock=clock)
+        th("a")
+        th("b")  # too soon: pending
+        assert seen == ["a"]
+        th.flush()
+        assert seen == ["a", "b"] and not th.pending
+        clock.t = 5.0
+        th("c")
+        assert seen == ["a", "b", "c"]
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------------------------------------- with a model
+@pytest.mark.torch
+def test_explore_profiles_a_model_and_wraps_the_schedule_on_screen():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    ex = hcv.explore(model, x, warmup=0, repeats=1, progress=False)
+    assert isinstance(ex, Explorer) and ex.model is model
+    assert ex.chain.length == 5 and ex.chain.x[0] == x.numel() * x.element_size()
+    ex.budget = ex.min_budget
+    wrapped = ex.wrap()
+    assert wrapped.schedule.ops == ex.schedule.ops
+    out = wrapped(x)
+    out.square().mean().backward()
+    ref = model(x)
+    assert torch.equal(out, ref)

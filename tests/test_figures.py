@@ -1,0 +1,254 @@
+"""Figures draw exactly what the Trace says: op bars, memory values, item lifetimes, the Solution's frontier."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hchain_viz as hcv
+from hchain_viz.core import strategies
+from hchain_viz.errors import HChainError
+from hchain_viz.viz import figures as F
+from hchain_viz.viz import style
+from hchain_viz.viz.trace_view import TraceView
+
+# Fck0 keeps x_0, Fn1/Fn2 drop their inputs, B3 frees the checkpoint x_3, Fall0..2 are recomputations.
+HANDMADE = "Fck0 Fn1 Fn2 Fall3 Fall4 Fall5 Loss B5 B4 B3 Fall0 Fall1 Fall2 B2 B1 B0"
+
+
+@pytest.fixture(scope="module")
+def chain():
+    return hcv.Chain.random(6, seed=1)
+
+
+@pytest.fixture(scope="module")
+def traces(chain):
+    sol = hcv.solve(chain)
+    mid = (sol.min_budget + sol.store_all_peak) // 2
+    return {
+        "handmade": hcv.simulate(chain, hcv.Schedule.parse(HANDMADE, strategy="handmade")),
+        "store_all": hcv.simulate(chain, strategies.store_all(chain)),
+        "recompute_all": hcv.simulate(chain, strategies.recompute_all(chain)),
+        "optimal_low": hcv.simulate(chain, sol.schedule(sol.min_budget)),
+        "optimal_mid": hcv.simulate(chain, sol.schedule(mid)),
+    }
+
+
+@pytest.fixture(scope="module")
+def solution(chain):
+    return hcv.solve(chain)
+
+
+def by_name(fig, name):
+    (t,) = [t for t in fig.data if t.name == name]
+    return t
+
+
+# ---------------------------------------------------------------------------------------------- timeline
+@pytest.mark.parametrize("key", ["handmade", "store_all", "recompute_all", "optimal_low", "optimal_mid"])
+def test_timeline_has_one_mark_per_op_at_the_simulated_times(traces, key):
+    trace = traces[key]
+    fig = F.timeline(trace)
+    assert sum(len(t.y) for t in fig.data) == len(trace.events)
+    drawn = []
+    for t in fig.data:
+        start = np.asarray(t.base if t.type == "bar" else t.x, float)
+        end = start + (np.asarray(t.x, float) if t.type == "bar" else 0.0)
+        drawn += list(zip(start.tolist(), end.tolist(), np.asarray(t.y).tolist(), [t.name] * len(start)))
+    expected = []
+    for e in trace.events:
+        cat = ("loss" if e.op.kind == "Loss" else "backward" if e.op.kind == "B"
+               else "recompute" if e.recompute else "forward")
+        expected.append((e.start, e.end, e.op.stage, style.OP_LABELS[cat]))
+    assert sorted(drawn) == sorted(expected)
+
+
+def test_timeline_colours_recomputation_apart(traces):
+    fig = F.timeline(traces["handmade"])
+    recomputed = by_name(fig, style.OP_LABELS["recompute"])
+    assert recomputed.marker.color == style.OP_COLORS["recompute"]
+    assert len({style.OP_COLORS[c] for c in style.OP_COLORS}) == 4  # four distinct colours
+    assert sorted(np.asarray(recomputed.y).tolist()) == [0, 1, 2]  # Fall0, Fall1, Fall2 run a second time
+    assert len(by_name(F.timeline(traces["store_all"]), style.OP_LABELS["recompute"]).y) == 0
+
+
+def test_timeline_hover_carries_op_name_times_and_memory(traces, chain):
+    trace = traces["handmade"]
+    fig = F.timeline(trace)
+    unit, scale = style.byte_unit(trace.peak_memory)
+    bwd = by_name(fig, "backward")
+    events = [e for e in trace.events if e.op.kind == "B"]
+    assert [str(t).split(" · ")[0] for t in bwd.text] == [str(e.op) for e in events]
+    assert chain.names[events[0].op.stage] in bwd.text[0]
+    cd = np.asarray(bwd.customdata)
+    assert np.allclose(cd[:, 0], [e.start for e in events]) and np.allclose(cd[:, 1], [e.end for e in events])
+    assert np.allclose(cd[:, 3] * scale, [e.mem_peak for e in events])
+    assert np.allclose(cd[:, 4] * scale, [e.mem_after for e in events])
+    assert unit in bwd.hovertemplate
+
+
+def test_timeline_step_cursor_and_faded_future(traces):
+    trace = traces["handmade"]
+    k = 9
+    fig = F.timeline(trace, step=k)
+    (cursor,) = fig.layout.shapes
+    assert cursor.x0 == cursor.x1 == trace.events[k - 1].end
+    fwd = by_name(fig, "forward")
+    op_index = [e.index for e in trace.events if e.op.kind != "B" and e.op.kind != "Loss" and not e.recompute]
+    faint = np.asarray(fwd.marker.opacity) < 1
+    assert faint.tolist() == [i >= k for i in op_index]
+    with pytest.raises(HChainError, match="out of range"):
+        F.timeline(trace, step=len(trace.events) + 1)
+
+
+def test_figures_refuse_what_is_not_a_trace():
+    with pytest.raises(HChainError, match="Trace"):
+        F.timeline("Fall0 Loss B0")
+
+
+# ---------------------------------------------------------------------------------------------- memory curve
+@pytest.mark.parametrize("key", ["handmade", "store_all", "optimal_low", "optimal_mid"])
+def test_memory_total_is_the_trace_memory_curve(traces, key):
+    trace = traces[key]
+    fig = F.memory_curve(trace)
+    total = by_name(fig, "total (with transients)")
+    t, m = trace.memory_curve()
+    assert np.array_equal(np.asarray(total.x), t) and np.array_equal(np.asarray(total.y), m)
+    assert total.line.shape == "hv"  # the op's peak holds from its start to its end
+
+
+@pytest.mark.parametrize("key", ["handmade", "store_all", "recompute_all", "optimal_low"])
+def test_memory_layers_stack_to_the_resident_memory_after_each_op(traces, key):
+    trace = traces[key]
+    fig = F.memory_curve(trace)
+    layers = [by_name(fig, style.KIND_LABELS[k]) for k in ("x", "saved", "delta")]
+    top = np.asarray(layers[-1].y)  # cumulative: the last layer is the total resident memory
+    assert top[0] == trace.initial_memory
+    assert top[1:].tolist() == [e.mem_after for e in trace.events]
+    assert np.asarray(layers[0].x)[1:].tolist() == [e.end for e in trace.events]
+    # each layer's own bytes (hover) are the resident items of that kind
+    unit, scale = style.byte_unit(trace.peak_memory)
+    e = trace.events[len(trace.events) // 2]
+    own_delta = np.asarray(layers[2].customdata)[e.index + 1] * scale
+    assert own_delta == pytest.approx(sum(i.size for i in e.resident if i.kind == "delta"))
+    own_saved = np.asarray(layers[1].customdata)[e.index + 1] * scale
+    assert own_saved == pytest.approx(sum(i.size for i in e.resident if i.kind in ("xbar", "out")))
+
+
+def test_memory_budget_line_peak_marker_and_byte_axis(traces):
+    trace = traces["handmade"]
+    budget = 10 * 2**20
+    fig = F.memory_curve(trace, budget=budget)
+    line = by_name(fig, "budget 10 MiB")
+    assert list(line.y) == [budget, budget] and line.x[0] == 0 and line.x[1] == trace.makespan
+    peak = by_name(fig, "peak")
+    p = trace.events[trace.peak_index]
+    assert list(peak.y) == [trace.peak_memory] and list(peak.x) == [p.start]
+    assert all(lbl.endswith(("MiB", "KiB", " B")) for lbl in fig.layout.yaxis.ticktext)
+    assert fig.layout.yaxis.range[1] >= budget
+    no_budget = F.memory_curve(trace)
+    assert len(by_name(no_budget, "budget").y) == 0
+
+
+def test_memory_step_reveals_the_curve_up_to_the_cursor(traces):
+    trace = traces["handmade"]
+    for k in (0, 4, len(trace.events)):
+        fig = F.memory_curve(trace, step=k)
+        total = by_name(fig, "total (with transients)")
+        assert len(total.y) == 1 + 3 * k
+        assert len(by_name(fig, style.KIND_LABELS["x"]).y) == k + 1
+        assert fig.layout.shapes[0].x0 == (trace.events[k - 1].end if k else 0.0)
+    before_peak = F.memory_curve(trace, step=trace.peak_index)
+    assert len(by_name(before_peak, "peak").y) == 0  # not revealed yet
+
+
+# ---------------------------------------------------------------------------------------------- storage tape
+@pytest.mark.parametrize("key", ["handmade", "store_all", "recompute_all", "optimal_low", "optimal_mid"])
+def test_tape_lifetimes_match_the_resident_items_after_every_op(traces, key):
+    trace = traces[key]
+    v = TraceView.of(trace)
+    for s, e in enumerate(trace.events, start=1):
+        alive = (v.item_i0 < s) & (v.item_i1 >= s)
+        got = sorted(zip(v.item_kind[alive].tolist(), v.item_stage[alive].tolist(), v.item_size[alive].tolist()))
+        assert got == sorted(e.resident), f"after op #{s - 1} {e.op}"
+
+
+def test_tape_bars_are_the_item_lifetimes(traces):
+    trace = traces["handmade"]
+    v = TraceView.of(trace)
+    fig = F.storage_tape(trace)
+    assert sum(len(t.y) for t in fig.data) == len(v.item_kind)
+    ckpt = by_name(fig, style.TAPE_LABELS["x"])
+    rows = sorted(np.asarray(ckpt.y).tolist())
+    assert rows == [0, 1, 2, 3]  # x_0 (caller), x_1 (Fck0), x_2 (Fn1), x_3 (Fn2)
+    x3 = np.asarray(ckpt.y).tolist().index(3)
+    b3 = next(e for e in trace.events if str(e.op) == "B3")
+    fn2 = next(e for e in trace.events if str(e.op) == "Fn2")
+    assert ckpt.base[x3] == fn2.start and ckpt.base[x3] + ckpt.x[x3] == pytest.approx(b3.end)
+    out = by_name(fig, style.TAPE_LABELS["out"])
+    assert list(out.y) == [trace.chain.length]  # the held output sits on the loss row
+
+
+def test_tape_step_shows_the_state_at_that_moment(traces):
+    trace = traces["handmade"]
+    k = 7  # after Loss
+    fig = F.storage_tape(trace, step=k)
+    t = trace.events[k - 1].end
+    ends = np.concatenate([np.asarray(tr.base) + np.asarray(tr.x) for tr in fig.data if len(tr.y)])
+    assert ends.max() == pytest.approx(t)
+    grads = by_name(fig, style.TAPE_LABELS["delta"])
+    assert list(grads.y) == [trace.chain.length]  # only δ_L exists after the loss
+
+
+# ---------------------------------------------------------------------------------------------- frontier
+def test_frontier_optimal_curve_is_the_solution(solution):
+    fig = F.frontier(solution, strategies=False)
+    opt = by_name(fig, "optimal")
+    xs, ys = np.asarray(opt.x), np.asarray(opt.y)
+    for b, t in solution.frontier():
+        assert t in ys[xs == b]
+    for b, t in zip(xs[::7], ys[::7]):
+        assert t == pytest.approx(solution.makespan(int(b)))
+    assert xs.min() == solution.min_budget
+    (shade,) = [s for s in fig.layout.shapes if s.type == "rect"]
+    assert shade.x1 == solution.min_budget and shade.x0 < solution.min_budget
+    T = solution.chain.store_all_time
+    lo, hi = fig.layout.yaxis.range
+    assert fig.layout.yaxis2.range[0] == pytest.approx(100 * (lo / T - 1))
+    assert fig.layout.yaxis2.range[1] == pytest.approx(100 * (hi / T - 1))
+
+
+def test_frontier_draws_every_baseline_and_marks_the_budget(solution):
+    points = strategies.frontier_points(solution.chain)
+    b = (solution.min_budget + solution.store_all_peak) // 2
+    fig = F.frontier(solution, budget=b)
+    for name, pts in points.items():
+        tr = by_name(fig, name)
+        assert sorted(zip(tr.x, tr.y)) == sorted((float(p), float(t)) for p, t in pts)
+    line = by_name(fig, "budget")
+    assert list(line.x) == [b, b]
+    point = by_name(fig, "current")
+    assert list(point.x) == [b] and point.y[0] == pytest.approx(solution.makespan(b))
+
+
+def test_frontier_strategy_selection(solution):
+    fig = F.frontier(solution, strategies=["revolve", "sqrt_n"])
+    names = {t.name for t in fig.data}
+    assert {"revolve", "sqrt_n", "optimal"} <= names and "periodic" not in names
+    custom = F.frontier(solution, strategies={"mine": [(solution.store_all_peak, 1.0)]})
+    assert list(by_name(custom, "mine").x) == [solution.store_all_peak]
+    with pytest.raises(HChainError, match="unknown strategies"):
+        F.frontier(solution, strategies=["nope"])
+    with pytest.raises(HChainError, match="Solution"):
+        F.frontier(solution.chain)
+
+
+# ---------------------------------------------------------------------------------------------- style
+def test_byte_ticks_are_round_binary_values():
+    vals, text = style.byte_ticks(0, 300 * 2**20)
+    assert text[0] == "0 B" and all(t.endswith("MiB") for t in text[1:])
+    steps = np.diff(vals)
+    assert np.allclose(steps, steps[0]) and steps[0] % 2**20 == 0
+    assert style.byte_unit(3 * 2**30) == ("GiB", 2**30) and style.byte_unit(12) == ("B", 1)
+    vals, text = style.byte_ticks(0, 5)  # tiny teaching chains: whole bytes
+    assert all(float(v).is_integer() for v in vals)

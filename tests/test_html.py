@@ -1,0 +1,119 @@
+"""The offline HTML export: one frame per budget, the same figures, nothing loaded from the network."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+import hchain_viz as hcv
+from hchain_viz.errors import HChainError
+from hchain_viz.viz.html import to_html
+
+
+@pytest.fixture(scope="module")
+def chain():
+    # A user-chosen stage name must not be able to close the data <script>.
+    names = [f"block{i}" for i in range(7)] + ["evil</script><script>alert(1)</script>"]
+    c = hcv.Chain.random(8, seed=5)
+    return hcv.Chain(c.fwd_time, c.bwd_time, c.x, c.xbar, c.fwd_tmp, c.bwd_tmp, names)
+
+
+@pytest.fixture(scope="module")
+def solution(chain):
+    return hcv.solve(chain)
+
+
+@pytest.fixture(scope="module")
+def page(solution, tmp_path_factory):
+    path = tmp_path_factory.mktemp("html") / "explorer.html"
+    out = to_html(solution, path, n_budgets=6)
+    assert out == str(path)
+    return path.read_text(encoding="utf-8")
+
+
+def payload(text):
+    m = re.search(r'<script type="application/json" id="hcv-data">(.*?)</script>', text, re.S)
+    assert m, "the data block is missing"
+    return json.loads(m.group(1))
+
+
+def test_one_frame_per_budget_from_least_feasible_to_store_all(page, solution):
+    data = payload(page)
+    budgets = [f["budget"] for f in data["frames"]]
+    assert len(budgets) == 6 and budgets == sorted(set(budgets))
+    assert budgets[0] == solution.min_budget and budgets[-1] == solution.store_all_peak
+    assert f'max="{len(budgets) - 1}"' in page  # the slider spans the frames
+
+
+def test_frames_hold_the_simulated_schedule_at_their_budget(page, solution):
+    data = payload(page)
+    for f in data["frames"]:
+        trace = hcv.simulate(solution.chain, solution.schedule(f["budget"]))
+        n_marks = sum(len(t["y"]) for t in f["timeline"]["data"])
+        assert n_marks == len(trace.events)
+        total = next(t for t in f["memory"]["data"] if t["name"] == "total (with transients)")
+        assert np.array_equal(np.asarray(total["y"]), trace.memory_curve()[1])
+        budget_line = next(t for t in f["memory"]["data"] if t["name"].startswith("budget"))
+        assert budget_line["y"] == [f["budget"], f["budget"]]
+        assert f["frontier"][0]["x"] == [f["budget"], f["budget"]]
+        assert f"{trace.n_recomputed} recomputed" in f["stats"]
+    frontier = data["base"]["frontier"]["data"]
+    assert frontier[0]["name"] == "optimal"
+    assert frontier[data["frontier_budget_index"]]["name"] == "budget"
+
+
+def test_page_is_self_contained(page):
+    assert not re.search(r"<script[^>]*\bsrc\s*=", page, re.I)  # every script is inline
+    assert not re.search(r"<link[^>]*href\s*=\s*[\"']?(https?:)?//", page, re.I)
+    assert not re.search(r"@import|url\(\s*[\"']?(https?:)?//", page, re.I)
+    assert "MathJax.Hub" not in page and "cdn.plot.ly/plotly" not in page.split("<body>")[1]
+    assert "Plotly.react" in page and len(page) > 1_000_000  # plotly.js is embedded
+    assert "<script>alert(1)" not in page  # stage names cannot break out of the data block
+
+
+def test_accepts_a_chain_and_checks_its_arguments(chain, tmp_path):
+    path = to_html(chain, tmp_path / "c.html", n_budgets=2, strategies=False)
+    data = payload(open(path, encoding="utf-8").read())
+    assert len(data["frames"]) == 2
+    assert [t["name"] for t in data["base"]["frontier"]["data"]][0] == "optimal"
+    assert "revolve" not in {t["name"] for t in data["base"]["frontier"]["data"]}
+    with pytest.raises(HChainError, match="Chain or a Solution"):
+        to_html([1, 2, 3], tmp_path / "bad.html")
+    with pytest.raises(HChainError, match="n_budgets"):
+        to_html(chain, tmp_path / "bad.html", n_budgets=0)
+    assert hcv.to_html is to_html  # the lazy public name
+
+
+def _browser():
+    try:
+        from playwright.sync_api import sync_playwright  # noqa: F401
+    except ImportError:
+        return None
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.ui
+@pytest.mark.skipif(_browser() is None, reason="needs playwright and a Chromium binary")
+def test_page_works_offline_in_a_browser(solution, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    path = to_html(solution, tmp_path / "ui.html", n_budgets=4)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=_browser(), args=["--no-sandbox"])
+        page = browser.new_page()
+        errors, remote = [], []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("request", lambda r: remote.append(r.url) if not r.url.startswith(("file:", "data:")) else None)
+        page.goto(f"file://{path}")
+        page.wait_for_selector("#timeline .main-svg")
+        first = page.inner_text("#stats")
+        page.fill("#budget", "0")
+        page.dispatch_event("#budget", "input")
+        assert page.inner_text("#budget-label") == hcv.format_bytes(solution.min_budget)
+        assert page.inner_text("#stats") != first
+        browser.close()
+    assert errors == [] and remote == []
