@@ -31,3 +31,15 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _torch_single_thread():
+    """Torch tests run with one intra-op thread: on 2 shared cores, more threads make them several times slower
+    and timings noisy. Core-only runs never import torch for this."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    yield

@@ -1,0 +1,295 @@
+"""Turn a model into a chain of stages: ``sequentialize(model) -> [(name, module), ...]`` run one after another.
+
+A chain (DESIGN §2) is a list of stages where stage i receives exactly what stage i-1 returned, called with one
+positional argument as ``nn.Sequential`` does (a stage returning a tuple hands the whole tuple to the next one).
+
+What is recognised, in this order:
+
+1. an ``nn.Sequential`` (nested Sequentials are flattened; names are dotted paths such as ``"layer2.1"``),
+2. a list / tuple / ``nn.ModuleList`` of modules or ``(name, module)`` pairs, or a mapping name -> module,
+3. torchvision-style architectures, duck-typed on attribute names (torchvision itself is not needed):
+   ResNet (``conv1, bn1, relu, [maxpool], layer1.., avgpool, fc``), DenseNet (``features`` with ``denseblock*``,
+   ``classifier``), VGG / AlexNet / EfficientNet-like (``features, avgpool, classifier``) and MobileNetV2-like
+   (``features, classifier``). The functional bits of their ``forward`` (``torch.flatten``, DenseNet's final ReLU and
+   pooling) become small stages of their own,
+4. anything else, when a ``sample_input`` is given: automatic graph extraction (``runtime/graph.py``).
+
+A stage that modifies its input in place (a standalone ``ReLU(inplace=True)``, a ``Dropout(inplace=True)``, or -
+detected with a sample input - any stage that bumps its input's version counter) is fused with its predecessor:
+its input is the predecessor's private output then, never a checkpoint someone else still needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import NotSequentialError, ProfileError
+
+Stage = tuple[str, nn.Module]
+
+__all__ = ["sequentialize", "Stage", "fuse", "buffer_snapshot"]
+
+
+def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | None = None) -> list[Stage]:
+    """The stages of ``model`` as a list of ``(name, module)`` pairs, in execution order.
+
+    ``sample_input`` (optional) lets the structure be checked: the composed stages must reproduce ``model``'s
+    output, and stages that write into their input are detected by its version counter. Without a recognised
+    structure it is required, for graph extraction; ``granularity`` is passed on to that extraction only.
+    The modules in the list are ``model``'s own (parameters shared, nothing copied); fused stages and the
+    functional glue of torchvision models (``flatten``) are new parameter-free wrappers.
+    """
+    stages, kind = _structural_stages(model)
+    if stages is None:
+        if sample_input is None:
+            raise NotSequentialError(
+                f"cannot split a {type(model).__name__} into a chain automatically: it is not an nn.Sequential, a "
+                f"list of modules, or a torchvision-style ResNet/VGG/DenseNet. Either pass the stages yourself, as "
+                f"a list of (name, module) pairs run one after another, or pass a sample input "
+                f"(sequentialize(model, x) / profile(model, x)) so the computation graph can be traced."
+            )
+        return _extract(model, sample_input, granularity, why=f"{type(model).__name__} has a custom forward()")
+    if not stages:
+        raise NotSequentialError(
+            f"the {type(model).__name__} has no modules; a chain needs at least one stage"
+        )
+    stages = _fuse_marked(stages, [_declares_inplace(m) for _, m in stages])
+    if sample_input is not None:
+        reproduces, inplace = _check_stages(model, stages, sample_input, compare=kind == "duck")
+        if not reproduces:
+            return _extract(model, sample_input, granularity,
+                            why=f"it looks like a torchvision {type(model).__name__} but its forward() differs")
+        stages = _fuse_marked(stages, inplace)
+    return stages
+
+
+# ---------------------------------------------------------------------------------------------- recognition
+def _structural_stages(model: Any) -> tuple[list[Stage] | None, str]:
+    """(stages, kind) by structure alone; kind is "sequential", "list" or "duck"; (None, "") if not recognised."""
+    if isinstance(model, nn.Sequential) and _plain_sequential(model):
+        return _flatten(model, ""), "sequential"
+    if isinstance(model, (list, tuple, nn.ModuleList, nn.ModuleDict, Mapping)):
+        return _from_items(model), "list"
+    if not isinstance(model, nn.Module):
+        raise NotSequentialError(
+            f"expected an nn.Module or a list of (name, module) stages, got {type(model).__name__}"
+        )
+    for recognise in (_resnet_like, _densenet_like, _vgg_like):
+        stages = recognise(model)
+        if stages is not None:
+            return stages, "duck"
+    return None, ""
+
+
+def _plain_sequential(m: nn.Module) -> bool:
+    """An nn.Sequential (or subclass) whose forward is Sequential's own: its children run one after another."""
+    return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward and not isinstance(m, _Fused)
+
+
+def _flatten(module: nn.Module, prefix: str) -> list[Stage]:
+    """Children of a plain Sequential, nested plain Sequentials expanded, named by dotted path."""
+    out: list[Stage] = []
+    for name, child in module.named_children():
+        full = f"{prefix}{name}"
+        if _plain_sequential(child):
+            out += _flatten(child, full + ".")
+        else:
+            out.append((full, child))
+    return out
+
+
+def _from_items(items: Any) -> list[Stage]:
+    if isinstance(items, (Mapping, nn.ModuleDict)):
+        pairs = list(items.items())
+    else:
+        pairs = list(enumerate(items))
+    out: list[Stage] = []
+    for k, item in pairs:
+        if (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and not isinstance(items, (Mapping, nn.ModuleDict))):
+            name, module = item
+        else:
+            name, module = k, item
+        if not isinstance(module, nn.Module):
+            raise NotSequentialError(
+                f"stage {k!r} is a {type(module).__name__}, not an nn.Module; a list of stages holds modules or "
+                f"(name, module) pairs"
+            )
+        name = str(name)
+        out += _flatten(module, name + ".") if _plain_sequential(module) else [(name, module)]
+    return out
+
+
+def _children_of(m: nn.Module, name: str) -> list[Stage]:
+    child = getattr(m, name)
+    return _flatten(child, name + ".") if _plain_sequential(child) else [(name, child)]
+
+
+def _resnet_like(m: nn.Module) -> list[Stage] | None:
+    """torchvision ResNet: conv1 bn1 relu [maxpool] layer1..layerK avgpool flatten fc."""
+    needed = ("conv1", "bn1", "relu", "layer1", "avgpool", "fc")
+    if not all(isinstance(getattr(m, a, None), nn.Module) for a in needed):
+        return None
+    stages = [("conv1", m.conv1), ("bn1", m.bn1), ("relu", m.relu)]
+    if isinstance(getattr(m, "maxpool", None), nn.Module):
+        stages.append(("maxpool", m.maxpool))
+    k = 1
+    while isinstance(getattr(m, f"layer{k}", None), nn.Module):
+        stages += _children_of(m, f"layer{k}")
+        k += 1
+    return stages + [("avgpool", m.avgpool), ("flatten", nn.Flatten(1)), ("fc", m.fc)]
+
+
+def _densenet_like(m: nn.Module) -> list[Stage] | None:
+    """torchvision DenseNet: features, then relu(inplace), adaptive_avg_pool2d(1), flatten, classifier."""
+    features, classifier = getattr(m, "features", None), getattr(m, "classifier", None)
+    if not (_plain_sequential(features) and isinstance(classifier, nn.Module)):
+        return None
+    names = [n for n, _ in features.named_children()]
+    if not any(n.startswith("denseblock") for n in names):
+        return None
+    return (_children_of(m, "features") + [("relu", nn.ReLU(inplace=True)), ("pool", nn.AdaptiveAvgPool2d(1)),
+                                           ("flatten", nn.Flatten(1))] + _children_of(m, "classifier"))
+
+
+def _vgg_like(m: nn.Module) -> list[Stage] | None:
+    """VGG / AlexNet / EfficientNet / MobileNetV3: features, avgpool, flatten, classifier.
+    MobileNetV2 (no avgpool attribute): features, adaptive_avg_pool2d(1), flatten, classifier."""
+    features, classifier = getattr(m, "features", None), getattr(m, "classifier", None)
+    if not (isinstance(features, nn.Module) and isinstance(classifier, nn.Module)):
+        return None
+    pool = getattr(m, "avgpool", None)
+    stages = _children_of(m, "features")
+    stages.append(("avgpool", pool) if isinstance(pool, nn.Module) else ("avgpool", nn.AdaptiveAvgPool2d(1)))
+    head = _children_of(m, "classifier")
+    if not any(isinstance(mod, nn.Flatten) for _, mod in head):  # ConvNeXt's classifier flattens itself
+        stages.append(("flatten", nn.Flatten(1)))
+    return stages + head
+
+
+# ---------------------------------------------------------------------------------------------- in-place fusion
+def _declares_inplace(m: nn.Module) -> bool:
+    """Modules that say they overwrite their input: ReLU/ReLU6/LeakyReLU/Hardtanh/SiLU/Dropout(inplace=True)..."""
+    return getattr(m, "inplace", False) is True
+
+
+def fuse(stages: list[Stage]) -> Stage:
+    """One stage running ``stages`` in order, named ``"a+b"``; fused groups are flattened, not nested."""
+    modules: list[nn.Module] = []
+    for _, m in stages:
+        modules += list(m) if isinstance(m, _Fused) else [m]
+    return "+".join(n for n, _ in stages), _Fused(*modules)
+
+
+class _Fused(nn.Sequential):
+    """Stages run as one (so an in-place stage only ever overwrites its predecessor's private output)."""
+
+
+def _fuse_marked(stages: list[Stage], marked: list[bool]) -> list[Stage]:
+    """Fuse every marked stage into its predecessor. Stage 0 has none: it stays (the executor copes with it)."""
+    out: list[Stage] = []
+    for stage, mark in zip(stages, marked):
+        if mark and out:
+            out[-1] = fuse([out[-1], stage])
+        else:
+            out.append(stage)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- checking
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples / lists / dicts."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, Mapping):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def _clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_clone(o) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: _clone(v) for k, v in obj.items()}
+    return obj
+
+
+def _same(a: Any, b: Any) -> bool:
+    ta, tb = _tensors(a), _tensors(b)
+    return len(ta) == len(tb) and all(
+        x.shape == y.shape and x.dtype == y.dtype and torch.allclose(x.float(), y.float(), rtol=1e-4, atol=1e-5)
+        for x, y in zip(ta, tb)
+    )
+
+
+def _check_stages(model: Any, stages: list[Stage], sample_input: Any, *, compare: bool) -> tuple[bool, list[bool]]:
+    """Run the stages once, without grad, on a copy of ``sample_input``, in the modules' own training mode.
+
+    Returns whether they reproduce ``model(sample_input)`` (checked when ``compare``; both runs start from the same
+    RNG state, so dropout draws the same masks) and, per stage, whether it bumped the version counter of a tensor
+    it received (it wrote into its input). Buffers (BatchNorm statistics) and the RNG state are restored after.
+    """
+    modules = [m for _, m in stages] + ([model] if isinstance(model, nn.Module) else [])
+    restore = buffer_snapshot(modules)
+    devices = _cuda_devices(sample_input)
+    try:
+        with torch.no_grad():
+            with torch.random.fork_rng(devices=devices):
+                h = _clone(sample_input)
+                inplace = []
+                for _, stage in stages:
+                    inputs = _tensors(h)
+                    versions = [t._version for t in inputs]
+                    h = stage(h)
+                    inplace.append(any(t._version != v for t, v in zip(inputs, versions)))
+            if compare:
+                with torch.random.fork_rng(devices=devices):
+                    reference = model(_clone(sample_input))
+    except Exception as e:  # a shape / device / dtype mismatch of the user's input
+        raise ProfileError(
+            f"running the stages of {type(model).__name__} on the sample input failed ({type(e).__name__}: {e}); "
+            f"check the input's shape, dtype and device against the model"
+        ) from e
+    finally:
+        restore()
+    return (not compare or _same(h, reference)), inplace
+
+
+def buffer_snapshot(modules: list[nn.Module]) -> Callable[[], None]:
+    """Copy every buffer of ``modules`` now; the returned function puts the values (and the tensors) back."""
+    subs = {id(s): s for m in modules for s in m.modules()}.values()
+    saved = [(s, name, b, b.detach().clone()) for s in subs for name, b in s._buffers.items() if b is not None]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for s, name, b, copy in saved:
+                b.copy_(copy)
+                s._buffers[name] = b
+
+    return restore
+
+
+def _cuda_devices(obj: Any) -> list[int]:
+    return sorted({t.device.index or 0 for t in _tensors(obj) if t.device.type == "cuda"})
+
+
+def _extract(model: Any, sample_input: Any, granularity: str | None, *, why: str) -> list[Stage]:
+    """Graph extraction (runtime/graph.py, written separately); its NotSequentialError propagates."""
+    try:
+        from .graph import extract_stages
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__}.graph":
+            raise
+        raise NotSequentialError(
+            f"cannot split a {type(model).__name__} into a chain: {why}, and automatic graph extraction is not "
+            f"available in this installation. Pass the stages yourself as a list of (name, module) pairs."
+        ) from None
+    return extract_stages(model, sample_input, granularity=granularity)

@@ -1,0 +1,105 @@
+"""runtime/memtrack.py: byte counting (storages once) and the allocation tracker, checked against hand counts."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from hchain_viz.runtime.memtrack import AllocationTracker, MemoryMeter, nbytes, storages, tensors  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def test_nbytes_counts_each_storage_once():
+    a = torch.zeros(10, 10)  # 400 bytes
+    b = torch.zeros(5, dtype=torch.float64)  # 40 bytes
+    assert nbytes(a) == 400
+    assert nbytes((a, a.view(100), a[:, :3])) == 400  # views and slices share (and keep alive) a's storage
+    assert nbytes([a, {"k": b, "n": None}, 3]) == 440
+    assert nbytes((a, b), exclude=[a.untyped_storage()]) == 40
+    assert nbytes(a[:2]) == 400  # a slice holds its whole base
+    assert nbytes(a[:2].clone()) == 80
+    assert nbytes(None) == 0 and nbytes(torch.empty(0)) == 0
+    assert len(storages((a, a.t(), b))) == 2
+    assert [t.shape for t in tensors((a, [b], {"x": a}))] == [a.shape, b.shape, a.shape]
+
+
+def test_tracker_follows_allocations_and_frees():
+    keep = torch.ones(100)
+    with AllocationTracker() as tr:
+        x = torch.empty(1000)  # 4000 bytes
+        assert tr.current == 4000 and tr.peak == 4000
+        v = x.view(10, 100).t()  # views create nothing
+        x.add_(1)  # in-place creates nothing
+        _ = keep[:10]  # a view of an older storage is not an allocation
+        assert tr.current == 4000
+        y = x * 2
+        assert tr.current == 8000
+        del y
+        assert tr.current == 4000 and tr.peak == 8000
+        tr.reset_peak()
+        assert tr.peak == 4000
+        assert tr.created(x.untyped_storage()) and not tr.created(keep.untyped_storage())
+        del x
+        assert tr.current == 4000  # v still holds the storage
+        del v
+        assert tr.current == 0
+        z = torch.zeros(10, dtype=torch.float64)
+    assert tr.current == 80
+    del z  # frees are followed after the mode exits
+    assert tr.current == 0 and tr.peak == 4000  # since reset_peak
+
+
+def test_tracker_sees_backward_allocations():
+    lin = nn.Linear(100, 200)
+    x = torch.randn(32, 100, requires_grad=True)
+    for p in lin.parameters():
+        p.grad = torch.zeros_like(p)
+    with AllocationTracker() as tr:
+        y = lin(x)
+        assert tr.current == 32 * 200 * 4
+        g = torch.ones_like(y)
+        tr.reset_peak()
+        y.backward(g)
+        # at once: y, g, x.grad, and the fresh weight and bias gradients before they are added in place
+        assert tr.peak == 4 * (32 * 200 * 2 + 32 * 100 + 200 * 100 + 200)
+        assert tr.current == 4 * (32 * 200 * 2 + 32 * 100)  # the parameter-grad temporaries are gone
+    x.grad = None
+    del y, g
+    assert tr.current == 0
+
+
+def test_tracker_follows_out_resize():
+    with AllocationTracker() as tr:
+        out = torch.empty(0)
+        torch.add(torch.ones(3), 1, out=torch.empty(0))  # unnamed result, freed at once
+        torch.mul(torch.ones(50), 2, out=out)  # out grows from 0 to 200 bytes
+        assert tr.current == 200
+    del out
+    assert tr.current == 0
+
+
+def test_memory_meter_cpu():
+    with MemoryMeter("cpu") as m:
+        a = torch.empty(256)
+        b = torch.empty(256)
+        del b
+        assert m.current == 1024 and m.peak == 2048
+        m.reset_peak()
+        assert m.peak == 1024
+    del a
+
+
+@pytest.mark.cuda
+def test_memory_meter_cuda():
+    dev = torch.device("cuda")
+    with MemoryMeter(dev) as m:
+        a = torch.empty(2**20, device=dev)  # 4 MiB, a multiple of the allocator's block size
+        b = torch.empty(2**20, device=dev)
+        del b
+        assert m.current == 4 * 2**20 and m.peak == 8 * 2**20
+        m.reset_peak()
+        assert m.peak == 4 * 2**20
+    del a

@@ -1,0 +1,209 @@
+"""runtime/profile.py: sizes against hand counts, the model left untouched, predictions against measurements."""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import hchain_viz as hcv  # noqa: E402
+from hchain_viz.core import strategies  # noqa: E402
+from hchain_viz.core.chain import Chain  # noqa: E402
+from hchain_viz.errors import HChainError, NotSequentialError, ProfileError  # noqa: E402
+from hchain_viz.runtime import models  # noqa: E402
+from hchain_viz.runtime.measure import measure  # noqa: E402
+from hchain_viz.runtime.profile import profile  # noqa: E402
+
+pytestmark = pytest.mark.torch
+F32 = 4
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two cores shared with other test runs: one intra-op thread keeps torch from stalling on busy cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def quick(model, x, loss_fn=None, **kw):
+    return profile(model, x, loss_fn, warmup=0, repeats=1, progress=False, **kw)
+
+
+class Pair(nn.Module):
+    """Returns a tuple whose two tensors share one storage."""
+
+    def forward(self, x):
+        y = x * 2
+        return y, y[:, :3]
+
+
+class Two(nn.Module):
+    """Takes a tuple, returns a tuple of two distinct tensors."""
+
+    def forward(self, t):
+        a, b = t
+        return a[:, :3] + b, a * 3
+
+
+class Join(nn.Module):
+    def forward(self, t):
+        return t[0].sum(1, keepdim=True) + t[1][:, :3]
+
+
+# ---------------------------------------------------------------------------------------------- sizes by hand
+def test_linear_relu_and_tuple_stages_by_hand():
+    B = 4
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(lin=nn.Linear(16, 32), relu=nn.ReLU(), lin2=nn.Linear(32, 32), pair=Pair(),
+                                      two=Two(), join=Join()))
+    chain = quick(model, torch.randn(B, 16))
+    assert isinstance(chain, Chain) and chain.names == ("lin", "relu", "lin2", "pair", "two", "join")
+    act = B * 32 * F32
+    assert chain.x == (B * 16 * F32, act, act, act, act, B * 3 * F32 + act, B * 3 * F32)
+    # Linear saves its input (x_i, resident anyway) and its weight (a parameter): only the output is new.
+    # ReLU saves its output. Pair's two tensors share one storage. Two returns 48 + 512 bytes.
+    assert chain.xbar == (act, act, act, act, B * 3 * F32 + act, B * 3 * F32)
+    assert chain.fwd_tmp[:5] == (0, 0, 0, 0, 0)
+    # lin2's backward holds, above the resident set: the input gradient (x[2]), the fresh weight and bias gradients
+    # (added in place into .grad afterwards); bwd_tmp is what exceeds the input gradient.
+    assert chain.bwd_tmp[2] == (32 * 32 + 32) * F32
+    assert chain.bwd_tmp[1] == 0  # ReLU's backward creates only the input gradient
+
+
+def test_conv_batchnorm_flatten_by_hand():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(800, 5))
+    x = torch.randn(2, 3, 10, 10)
+    act = 2 * 8 * 10 * 10 * F32
+    chain = quick(model, x)
+    assert chain.x == (2 * 3 * 100 * F32, act, act, act, act, 2 * 5 * F32)
+    # Conv saves input and weight; BatchNorm (training) saves its input plus per-channel mean and inverse std;
+    # Flatten is a view: its output is its input's storage, counted as the output, nothing more.
+    assert chain.xbar == (act, act + 2 * 8 * F32, act, act, 2 * 5 * F32)
+    assert chain.fwd_tmp[1] == 2 * 8 * F32  # the no-grad forward still computes batch statistics, then drops them
+    assert chain.fwd_tmp[3] == 0 and chain.bwd_tmp[3] == 0
+    assert chain.bwd_tmp[4] == (800 * 5 + 5) * F32
+    model.eval()  # BatchNorm in eval mode saves no statistics
+    assert quick(model, x).xbar[1] == act
+
+
+def test_meta_records_the_setting():
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 8))
+    x = torch.randn(3, 16)
+    chain = quick(model, x)
+    params = (16 * 8 + 8 + 8 * 8 + 8) * F32
+    assert chain.meta["param_bytes"] == 2 * params  # parameters and their gradients
+    assert chain.meta["device"] == "cpu" and chain.meta["dtype"] == "float32"
+    assert chain.meta["model"] == "Sequential" and chain.meta["input_shape"] == [3, 16]
+    assert chain.meta["torch"] == torch.__version__
+    assert Chain.from_json(chain.to_json()).meta == chain.meta  # JSON-serialisable
+    assert all(t > 0 for t in chain.fwd_time + chain.bwd_time)
+
+
+def test_list_of_pairs_and_public_name():
+    stages = [("a", nn.Linear(4, 4)), ("b", nn.Tanh())]
+    chain = hcv.profile(stages, torch.randn(2, 4), warmup=0, repeats=2, progress=False)
+    assert chain.names == ("a", "b") and chain.length == 2
+
+
+# ---------------------------------------------------------------------------------------------- model state
+def test_profile_leaves_model_exactly_as_found():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Dropout(0.5),
+                          nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    model[5].eval()  # mixed training flags must survive
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    grad = model[0].weight.grad
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = [m.training for m in model.modules()]
+    rng = torch.get_rng_state()
+    x_before = x.detach().clone()
+
+    profile(model, x, warmup=1, repeats=2, progress=False)
+
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())  # params and BatchNorm stats
+    assert model[0].weight.grad is grad and bool((grad == 1).all())
+    assert model[0].bias.grad is None and model[5].weight.grad is None
+    assert [m.training for m in model.modules()] == flags
+    assert torch.equal(rng, torch.get_rng_state())
+    assert x.grad is None and torch.equal(x.detach(), x_before)
+
+
+# ---------------------------------------------------------------------------------------------- predicted vs measured
+@pytest.mark.parametrize("name", list(models.DEMOS))
+def test_store_all_prediction_matches_measured_peak(name):
+    model, x, loss_fn = models.demo_model(name)
+    chain = profile(model, x, loss_fn, warmup=0, repeats=1, progress=False)
+    predicted = hcv.simulate(chain, strategies.store_all(chain)).peak_memory
+    measured = measure(model, x, loss_fn, repeats=1).peak_bytes
+    ratio = predicted / measured
+    print(f"{name}: predicted {hcv.format_bytes(predicted)} / measured {hcv.format_bytes(measured)} = {ratio:.3f}")
+    assert 0.9 <= ratio <= 1.1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["resnet_chain", "mlp_chain"])
+def test_store_all_prediction_matches_measured_peak_cuda(name):
+    model, x, loss_fn = models.demo_model(name, device="cuda")
+    chain = profile(model, x, loss_fn, warmup=1, repeats=2, progress=False)
+    assert chain.meta["device"].startswith("cuda") and chain.meta["timer"] == "cuda events"
+    predicted = hcv.simulate(chain, strategies.store_all(chain)).peak_memory
+    measured = measure(model, x, loss_fn, repeats=2).peak_bytes
+    print(f"{name} (cuda): predicted / measured = {predicted / measured:.3f}")
+    assert 0.9 <= predicted / measured <= 1.1
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def test_not_a_module():
+    with pytest.raises(NotSequentialError, match="nn.Module"):
+        quick(42, torch.randn(2))
+
+
+def test_input_on_another_device_than_the_model():
+    model = nn.Sequential(nn.Linear(4, 4)).to("meta")
+    with pytest.raises(ProfileError, match="meta") as e:
+        quick(model, torch.randn(2, 4))
+    assert "x.to(" in str(e.value)
+    with pytest.raises(ProfileError, match="meta tensors hold no data"):
+        quick(model, torch.randn(2, 4, device="meta"))
+    with pytest.raises(ProfileError, match="model.to"):
+        quick(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4), device="meta")
+
+
+@pytest.mark.parametrize("empty", [nn.Sequential(), []])
+def test_empty_model(empty):
+    with pytest.raises(NotSequentialError, match="no modules"):
+        quick(empty, torch.randn(2, 4))
+
+
+def test_model_that_cannot_be_split(monkeypatch):
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) + x
+
+    monkeypatch.setitem(sys.modules, "hchain_viz.runtime.graph", None)  # no graph extraction available
+    with pytest.raises(NotSequentialError, match=r"\(name, module\)"):
+        quick(Custom(), torch.randn(2, 4))
+
+
+def test_bad_arguments_and_failing_stage():
+    model, x = nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4)
+    with pytest.raises(ProfileError, match="repeats"):
+        profile(model, x, repeats=0)
+    with pytest.raises(ProfileError, match="warmup"):
+        profile(model, x, warmup=-1)
+    with pytest.raises(ProfileError, match="scalar"):
+        quick(model, x, loss_fn=lambda out: out * 2)
+    with pytest.raises(HChainError, match="shape"):
+        quick(nn.Sequential(nn.Linear(5, 4)), x)  # wrong input width

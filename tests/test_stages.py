@@ -1,0 +1,255 @@
+"""runtime/stages.py: sequentialize() on Sequentials, lists, torchvision-style models; in-place fusion; errors."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections import OrderedDict
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from hchain_viz.errors import HChainError, NotSequentialError  # noqa: E402
+from hchain_viz.runtime import models  # noqa: E402
+from hchain_viz.runtime.stages import sequentialize  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def names(stages):
+    return [n for n, _ in stages]
+
+
+def run(stages, x):
+    for _, m in stages:
+        x = m(x)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------- torchvision look-alikes
+class FakeVGG(nn.Module):
+    """Same attribute names and forward() as torchvision.models.VGG."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                                      nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2))
+        self.avgpool = nn.AdaptiveAvgPool2d((2, 2))
+        self.classifier = nn.Sequential(nn.Linear(64, 32), nn.ReLU(True), nn.Dropout(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        x = self.features(x)
+        x = self.avgpool(x)
+        x = torch.flatten(x, 1)
+        return self.classifier(x)
+
+
+class FakeDenseBlock(nn.ModuleDict):
+    def __init__(self, c, growth, n):
+        super().__init__()
+        for i in range(n):
+            self[f"denselayer{i + 1}"] = nn.Sequential(nn.BatchNorm2d(c + i * growth), nn.ReLU(inplace=True),
+                                                       nn.Conv2d(c + i * growth, growth, 3, padding=1))
+
+    def forward(self, x):
+        feats = [x]
+        for layer in self.values():
+            feats.append(layer(torch.cat(feats, 1)))
+        return torch.cat(feats, 1)
+
+
+class FakeTransition(nn.Sequential):  # torchvision's _Transition: a Sequential subclass without its own forward
+    def __init__(self, c_in, c_out):
+        super().__init__()
+        self.add_module("norm", nn.BatchNorm2d(c_in))
+        self.add_module("relu", nn.ReLU(inplace=True))
+        self.add_module("conv", nn.Conv2d(c_in, c_out, 1))
+
+
+class FakeDenseNet(nn.Module):
+    """Same attribute names and forward() as torchvision.models.DenseNet."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(OrderedDict([
+            ("conv0", nn.Conv2d(3, 8, 3, padding=1)), ("norm0", nn.BatchNorm2d(8)), ("relu0", nn.ReLU(inplace=True)),
+            ("pool0", nn.MaxPool2d(2)), ("denseblock1", FakeDenseBlock(8, 4, 2)),
+            ("transition1", FakeTransition(16, 8)), ("norm5", nn.BatchNorm2d(8)),
+        ]))
+        self.classifier = nn.Linear(8, 10)
+
+    def forward(self, x):
+        features = self.features(x)
+        out = F.relu(features, inplace=True)
+        out = F.adaptive_avg_pool2d(out, (1, 1))
+        out = torch.flatten(out, 1)
+        return self.classifier(out)
+
+
+class AddOne(nn.Module):
+    """Writes into its input, without saying so (no ``inplace`` attribute)."""
+
+    def forward(self, x):
+        return x.add_(1)
+
+
+class Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x)) + x
+
+
+# ---------------------------------------------------------------------------------------------- Sequentials and lists
+def test_nested_sequentials_are_flattened_with_dotted_names():
+    inner = nn.Sequential(nn.Tanh(), nn.Linear(4, 4))
+    model = nn.Sequential(OrderedDict(a=nn.Linear(4, 4), b=nn.Sequential(nn.Linear(4, 4), inner), c=nn.Linear(4, 2)))
+    stages = sequentialize(model)
+    assert names(stages) == ["a", "b.0", "b.1.0", "b.1.1", "c"]
+    assert stages[2][1] is inner[0]  # the model's own modules, not copies
+    x = torch.randn(3, 4)
+    assert torch.equal(run(stages, x), model(x))
+
+
+def test_lists_pairs_modulelists_and_dicts():
+    lin, tanh = nn.Linear(4, 4), nn.Tanh()
+    assert names(sequentialize([lin, tanh])) == ["0", "1"]
+    assert names(sequentialize([("first", lin), ("rest", nn.Sequential(tanh, nn.Linear(4, 4)))])) == \
+        ["first", "rest.0", "rest.1"]
+    assert names(sequentialize(nn.ModuleList([lin, tanh]))) == ["0", "1"]
+    assert names(sequentialize({"p": lin, "q": tanh})) == ["p", "q"]
+    assert names(sequentialize(nn.ModuleDict({"p": lin, "q": tanh}))) == ["p", "q"]
+
+
+def test_sequential_subclass_with_own_forward_is_not_flattened():
+    class Twice(nn.Sequential):
+        def forward(self, x):
+            return super().forward(super().forward(x))
+
+    model = nn.Sequential(nn.Linear(4, 4), Twice(nn.Linear(4, 4)))
+    stages = sequentialize(model)
+    assert names(stages) == ["0", "1"] and isinstance(stages[1][1], Twice)
+
+
+# ---------------------------------------------------------------------------------------------- in-place fusion
+def test_declared_inplace_stage_is_fused_with_predecessor():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Dropout(0.5, inplace=True), nn.Linear(4, 2),
+                          nn.ReLU(inplace=True))
+    stages = sequentialize(model)
+    assert names(stages) == ["0+1+2", "3+4"]
+    assert len(list(stages[0][1].children())) == 3  # flat, not nested
+    model.eval()
+    x = torch.randn(5, 4)
+    assert torch.equal(run(stages, x), model(x))
+
+
+def test_first_stage_inplace_stays_alone():
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4))
+    assert names(sequentialize(model)) == ["0", "1"]
+
+
+def test_undeclared_inplace_stage_is_found_with_a_sample_input():
+    model = nn.Sequential(nn.Linear(4, 4), AddOne(), nn.Linear(4, 2))
+    assert names(sequentialize(model)) == ["0", "1", "2"]  # nothing says it is in-place
+    x = torch.randn(3, 4)
+    before = x.clone()
+    stages = sequentialize(model, x)
+    assert names(stages) == ["0+1", "2"]
+    assert torch.equal(x, before)  # the check ran on a copy
+
+
+def test_check_leaves_model_state_alone():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    model[3].eval()
+    stats = [b.clone() for b in model.buffers()]
+    x = torch.randn(6, 4)
+    rng = torch.get_rng_state()
+    sequentialize(model, x)
+    assert [m.training for m in model] == [True, True, True, False]
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers()))
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+# ---------------------------------------------------------------------------------------------- duck typing
+def test_resnet_skip_by_torchvision_resnet_duck_typing():
+    model, x, _ = models.resnet_skip(batch=2, image=16, width=4, blocks=(1, 1))
+    stages = sequentialize(model, x)
+    assert names(stages) == ["conv1", "bn1+relu", "maxpool", "layer1.0", "layer2.0", "avgpool", "flatten", "fc"]
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(run(stages, x), model(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("make, expected", [
+    (FakeVGG, ["features.0+features.1", "features.2", "features.3+features.4", "features.5", "avgpool", "flatten",
+               "classifier.0+classifier.1", "classifier.2", "classifier.3"]),
+    (FakeDenseNet, ["features.conv0", "features.norm0+features.relu0", "features.pool0", "features.denseblock1",
+                    "features.transition1.norm+features.transition1.relu", "features.transition1.conv",
+                    "features.norm5+relu", "pool", "flatten", "classifier"]),
+])
+def test_vgg_and_densenet_by_duck_typing(make, expected, monkeypatch):
+    monkeypatch.setitem(sys.modules, "hchain_viz.runtime.graph", None)  # the duck typing alone must do it
+    torch.manual_seed(0)
+    model = make()  # training mode: dropout and batch statistics must not fool the check
+    x = torch.randn(2, 3, 16, 16)
+    stats = [b.clone() for b in model.buffers()]
+    stages = sequentialize(model, x)
+    assert names(stages) == expected
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers()))
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(run(stages, x), model(x), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- fallbacks and errors
+class LooksLikeResNet(nn.Module):
+    """Has torchvision ResNet's attribute names, but its forward skips relu: duck typing must not be trusted."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1, self.relu = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()
+        self.layer1 = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1))
+        self.avgpool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = self.layer1(self.bn1(self.conv1(x)))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def test_custom_model_without_sample_input_raises():
+    with pytest.raises(NotSequentialError, match=r"\(name, module\)") as e:
+        sequentialize(Custom())
+    assert "sample input" in str(e.value) and isinstance(e.value, HChainError)
+
+
+@pytest.mark.parametrize("model", [Custom(), LooksLikeResNet()])
+def test_falls_back_to_graph_extraction(monkeypatch, model):
+    calls = []
+    fake = types.ModuleType("hchain_viz.runtime.graph")
+    fake.extract_stages = lambda m, x, granularity=None: calls.append((m, granularity)) or [("all", m)]
+    monkeypatch.setitem(sys.modules, "hchain_viz.runtime.graph", fake)
+    x = torch.randn(2, 3, 8, 8) if isinstance(model, LooksLikeResNet) else torch.randn(2, 4)
+    assert sequentialize(model, x, granularity="block") == [("all", model)]
+    assert calls == [(model, "block")]
+
+
+def test_without_graph_extraction_the_error_says_what_to_do(monkeypatch):
+    monkeypatch.setitem(sys.modules, "hchain_viz.runtime.graph", None)  # as if graph.py did not exist
+    with pytest.raises(NotSequentialError, match=r"\(name, module\)"):
+        sequentialize(LooksLikeResNet(), torch.randn(2, 3, 8, 8))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (42, "nn.Module"),
+    (nn.Sequential(), "no modules"),
+    ([], "no modules"),
+    ([nn.Linear(2, 2), "relu"], "not an nn.Module"),
+])
+def test_bad_models(bad, match):
+    with pytest.raises(NotSequentialError, match=match):
+        sequentialize(bad)
