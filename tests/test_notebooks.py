@@ -1,0 +1,39 @@
+"""The notebooks are executed top to bottom, so they cannot rot (each must finish on CPU in under 2 minutes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_all_three_notebooks_exist():
+    assert [p.name for p in NOTEBOOKS] == [
+        "01_explore_tradeoffs.ipynb", "02_export_and_train.ipynb", "03_teach_checkpointing.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_outputs_are_stripped_in_git(path):
+    nb = json.loads(path.read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell.get("outputs") == [] and cell.get("execution_count") is None, path.name
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_top_to_bottom(path, tmp_path):
+    nb = nbformat.read(path, as_version=4)
+    # Run in a scratch folder: notebook 02 writes schedule.json next to itself.
+    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors
