@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import numpy as np
 import pytest
@@ -88,32 +87,4 @@ def test_accepts_a_chain_and_checks_its_arguments(chain, tmp_path):
     assert hcv.to_html is to_html  # the lazy public name
 
 
-def _browser():
-    try:
-        from playwright.sync_api import sync_playwright  # noqa: F401
-    except ImportError:
-        return None
-    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-
-
-@pytest.mark.ui
-@pytest.mark.skipif(_browser() is None, reason="needs playwright and a Chromium binary")
-def test_page_works_offline_in_a_browser(solution, tmp_path):
-    from playwright.sync_api import sync_playwright
-
-    path = to_html(solution, tmp_path / "ui.html", n_budgets=4)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=_browser(), args=["--no-sandbox"])
-        page = browser.new_page()
-        errors, remote = [], []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.on("request", lambda r: remote.append(r.url) if not r.url.startswith(("file:", "data:")) else None)
-        page.goto(f"file://{path}")
-        page.wait_for_selector("#timeline .main-svg")
-        first = page.inner_text("#stats")
-        page.fill("#budget", "0")
-        page.dispatch_event("#budget", "input")
-        assert page.inner_text("#budget-label") == hcv.format_bytes(solution.min_budget)
-        assert page.inner_text("#stats") != first
-        browser.close()
-    assert errors == [] and remote == []
+# The browser test of the page (slider, play, no network) lives in tests/ui/test_standalone_html.py.

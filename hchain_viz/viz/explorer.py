@@ -265,13 +265,16 @@ class Explorer:
         self._budget_label = W.HTML()
         self._strategy_dd = W.Dropdown(options=self._strategies, value=self._strategy, description="strategy",
                                        layout=W.Layout(width="230px"))
-        self._overlay_dd = W.Dropdown(options=[("none", None)] + [(s, s) for s in self._strategies], value=None,
+        # "" stands for "no overlay": an ipywidgets Dropdown treats the value None as "nothing selected" and shows
+        # a blank box instead of the "none" option.
+        self._overlay_dd = W.Dropdown(options=[("none", "")] + [(s, s) for s in self._strategies], value="",
                                       description="compare", layout=W.Layout(width="230px"))
         self._play = W.Play(value=self._step, min=0, max=self._view.n, interval=80, description="play")
         self._step_slider = W.IntSlider(value=self._step, min=0, max=self._view.n, description="step",
                                         continuous_update=True, layout=W.Layout(width="420px"))
         W.jslink((self._play, "value"), (self._step_slider, "value"))  # the browser advances the slider itself
-        self._step_label = W.HTML()
+        # Fixed height: a label that wraps to one or two lines by op name would make the figures jump during Play.
+        self._step_label = W.HTML(layout=W.Layout(height="44px", overflow="hidden"))
         self._stats = W.HTML()
         self._path = W.Text(value="schedule.json", description="file", layout=W.Layout(width="300px"))
         self._save = W.Button(description="Save schedule", icon="download")
@@ -280,22 +283,26 @@ class Explorer:
         self._throttled_budget = Throttle(self._on_budget_slider, throttle_s)
         self._budget_slider.observe(lambda ch: self._syncing or self._throttled_budget(ch["new"]), "value")
         self._strategy_dd.observe(lambda ch: self._syncing or setattr(self, "strategy", ch["new"]), "value")
-        self._overlay_dd.observe(lambda ch: self._syncing or setattr(self, "overlay", ch["new"]), "value")
+        self._overlay_dd.observe(lambda ch: self._syncing or setattr(self, "overlay", ch["new"] or None), "value")
         self._step_slider.observe(lambda ch: self._syncing or self._on_step_slider(ch["new"]), "value")
         self._save.on_click(lambda _: self._on_save())
 
         fd = self._frontier
+        # Fixed pixel widths (plotly's autosize misjudges widget boxes), given in the layout each widget is BUILT
+        # with: a later `fig.layout.width = w` only reaches views that already exist, so a browser that renders
+        # the widget afterwards (Voila, a reopened notebook) would autosize to 700 px and clip the half-width pair.
+        half = dict(width=width // 2)
+        full = dict(width=width)
         self._figs = {
             "frontier": go.FigureWidget(data=F.frontier_traces(fd, self._budget, self._unit),
-                                        layout=F.frontier_layout(fd)),
+                                        layout={**F.frontier_layout(fd), **half}),
             "memory": go.FigureWidget(data=F.memory_traces(self._view, self._budget, None, None, self._unit),
-                                      layout=F.memory_layout(self._view, self._budget)),
+                                      layout={**F.memory_layout(self._view, self._budget), **half}),
             "timeline": go.FigureWidget(data=F.timeline_traces(self._view, None, self._unit),
-                                        layout=F.timeline_layout(self._view)),
-            "tape": go.FigureWidget(data=F.tape_traces(self._view, None, self._unit), layout=F.tape_layout(self._view)),
+                                        layout={**F.timeline_layout(self._view), **full}),
+            "tape": go.FigureWidget(data=F.tape_traces(self._view, None, self._unit),
+                                    layout={**F.tape_layout(self._view), **full}),
         }
-        for name, fig in self._figs.items():  # fixed pixel widths: plotly's autosize misjudges widget boxes
-            fig.layout.width = width // 2 if name in ("frontier", "memory") else width
         self._n_frontier_curves = 1 + len(fd.baselines)  # optimal + baselines; the budget marks come after them
         # Only the optimal curve listens: it is dense and the frontier's hovermode is "x", so a click anywhere lands
         # on it near the pointer; plotly calls back once per clicked trace, and one answer per click is enough.
@@ -350,7 +357,7 @@ class Explorer:
         try:
             self._budget_slider.value = min(max(self._budget, self._budget_slider.min), self._budget_slider.max)
             self._strategy_dd.value = self._strategy
-            self._overlay_dd.value = self._overlay
+            self._overlay_dd.value = self._overlay or ""
             self._play.max = self._step_slider.max = v.n
             self._play.step = max(1, v.n // 250)  # a replay takes ~20 s at most, whatever the op count
             self._play.value = self._step_slider.value = v.n
