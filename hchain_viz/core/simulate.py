@@ -13,6 +13,11 @@ Resident items (``Item.kind``):
   first forward of stage L-1 is a ``Fall``, the output lives inside x̄_L, so that ``xbar`` item carries only
   ``xbar[L-1] - x[L]`` bytes beside it; a recomputed ``Fall(L-1)`` holds a full second copy.
 - ``"delta"``: a gradient δ_i (``x[i]`` bytes); δ_L is created by the loss.
+
+Checkpoints persist: once ``Fck(k)`` has kept x_k, only ``B(k)`` frees it (a later ``Fn(k)`` may not drop it). This
+is the class of schedules the optimal DP searches (Rotor's model), which keeps "optimal" exact in this model.
+Dropping a kept checkpoint early and recomputing it later from an earlier one is occasionally faster on tiny
+chains, and is outside the model (tests/test_solver.py::test_non_persistent_schedules_are_outside_the_model).
 """
 
 from __future__ import annotations
@@ -143,6 +148,7 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
     mem = x[0]
     t = 0.0
     loss_done = False
+    kept: set[int] = set()  # stages whose input x_k a Fck kept: a checkpoint until B(k)
     forwarded: set[int] = set()
     backward_done: set[int] = set()
     events = []
@@ -181,6 +187,7 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
             key_sizes = [(("delta", i), x[i])]
             tmp, dt = chain.bwd_tmp[i], chain.bwd_time[i]
             backward_done.add(i)
+            kept.discard(i)
         else:  # forward ops
             if i in backward_done:
                 raise fail(f"the backward of stage {i} has already run; its forward is no longer needed")
@@ -209,6 +216,9 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                         raise fail("x_0 is the caller's input and cannot be dropped; use Fck0")
                     if ("x", i) not in res:
                         raise fail(f"Fn drops its input, but x_{i} is part of x̄_{i} here; use Fck{i}")
+                    if i in kept:
+                        raise fail(f"x_{i} is a checkpoint kept by an earlier Fck{i}; checkpoints stay until B{i} "
+                                   f"(use Fck{i})")
                     freed = res.pop(("x", i))
                     spans[opened.pop(("x", i))][4] = k
             created = sum(s for _, s in key_sizes)
@@ -216,6 +226,8 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
         recompute = kind in ("Fck", "Fn", "Fall") and i in forwarded
         if kind in ("Fck", "Fn", "Fall"):
             forwarded.add(i)
+        if kind == "Fck":
+            kept.add(i)
         for key, size in key_sizes:
             res[key] = size
             opened[key] = len(spans)

@@ -1,21 +1,633 @@
-"""PLACEHOLDER — being written by the solver helper. The public API it will provide:
+"""The optimal solver (DESIGN §4): Rotor's dynamic programme, corrected for the memory model of DESIGN §3.
 
-solve(chain, max_budget=None, slots=500) -> Solution
-optimal_schedule(chain, budget, slots=500) -> Schedule
-Solution: .chain, .max_budget, .slots, .unit, .min_budget (bytes), .makespan(budget) (inf if infeasible),
-          .schedule(budget) -> Schedule (raises InfeasibleBudget with .min_budget), .frontier() -> list[(budget, makespan)]
+``solve(chain)`` fills the DP table once for every memory budget up to a maximum; the returned :class:`Solution`
+answers any budget by reading the table (``makespan``) and rebuilding the op list from the stored choices
+(``schedule``), so a slider over budgets never re-solves.
+
+Two tables, sizes in *slots* (``unit = max_budget / slots`` bytes; sizes rounded up, budgets rounded down, so a
+schedule never exceeds the real budget; with integer sizes and ``slots == max_budget`` the solver is exact):
+
+- ``C[m, i, l]`` (``l < L``): least time to run forward and backward of stages ``i..l`` within ``m``, x_i held by the
+  caller, δ_{l+1} resident and charged. Options: the *chain* option ``Fall(i) [i+1..l] B(i)``, or the *leaf* option
+  with a checkpoint at ``j``: ``Fck(i) Fn(i+1..j-1) [j..l] [i..j-1]``.
+- ``D[m, i]``: the same for the spine ``i..L`` that contains the loss (and creates the held output x_L).
+
+The recurrences, guards and the two corrections to the published Rotor code are in DESIGN §4; the kernels below
+follow them line by line. What the optimum is over: every schedule whose checkpoints *persist* (an x_k kept by
+``Fck(k)`` stays until ``B(k)`` frees it) — checked against an exhaustive search of that class. The simulator also
+accepts schedules that later drop such a checkpoint with ``Fn(k)`` and recompute it from an earlier one; on some
+heterogeneous chains and budgets those are faster (tests/test_solver.py keeps a counter-example), and no search over
+them fits the O(S·L³) budget of this solver. The least feasible budget is exact over all schedules.
+
+Heavy lifting is in private Numba kernels over plain arrays (``_fill_table``, ``_rebuild``, and ``_least_memory``:
+the least feasible budget, by the same recurrences with max/min in place of +/min); the public functions validate
+their input and never hand Python objects to the kernels.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any
 
-class Solution:  # placeholder
-    pass
+import numpy as np
+
+from ..errors import HChainError, InfeasibleBudget, InvalidChain
+from .chain import Chain
+from .schedule import Op, Schedule
+from .units import format_bytes, format_time, parse_bytes
+
+__all__ = ["Solution", "solve", "optimal_schedule"]
+
+# Numba options of every kernel, in one place. cache: the compiled kernels persist on disk, so a fresh process pays
+# only for loading them. fastmath stays off: the tie rule and the makespans must be bit-for-bit reproducible.
+_NUMBA_OPTIONS = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy", "boundscheck": False}
+
+# The chain option wins unless the best leaf option is faster by more than this relative margin: on equal time (up to
+# float reassociation, e.g. around zero-cost stages) nothing is recomputed.
+_TIE_RTOL = 1e-12
+
+# Choice codes in the tables: the chain option (also the base case i == l, and the loss), or infeasible; a leaf
+# option stores its checkpoint index j > i.
+_CHAIN = 0
+_NONE = -1
+
+# Op codes written by _rebuild.
+_KINDS = ("Fck", "Fn", "Fall", "Loss", "B")
+
+# Refuse tables that would not fit comfortably in memory (float64 times + int16 choices during the build).
+_MAX_TABLE_BYTES = 8 * 2**30
 
 
-def solve(chain, max_budget=None, slots=500):  # placeholder
-    raise NotImplementedError("solver not written yet")
+# ------------------------------------------------------------------------------------------------------------------
+# Kernels (compiled lazily by _kernels(): importing hchain_viz must not import Numba)
+# ------------------------------------------------------------------------------------------------------------------
+# Stages i whose C rows are filled together (one block): they read the same right-hand rows C[j, l], so each is
+# fetched from memory once per block instead of once per row. 8 measured best at L = 100..300 (table >> cache).
+_BLOCK = 8
 
 
-def optimal_schedule(chain, budget, slots=500):  # placeholder
-    raise NotImplementedError("solver not written yet")
+def _row(L, i, l):  # noqa: E741  # pragma: no cover - runs compiled
+    """Row of the pair (i, l), i <= l < L, in the C table (upper triangle, row by row)."""
+    return i * L - (i * (i - 1)) // 2 + l - i
+
+
+def _bounds(x, xbar, ftmp, btmp, G, LOC, SAT):  # pragma: no cover - runs compiled
+    """Per pair (i, l), in slots: ``G`` the guard (DESIGN §4: the first forward of each stage i..l-1 runs while
+    δ_{l+1} is resident; necessary for every option), ``LOC`` the least m of the chain option (the base case when
+    i == l), ``SAT`` the least m from which the all-chain schedule ``Fall(i..l) B(l..i)`` fits. From SAT on nothing
+    beats it (it runs each stage once) and the chain option, preferred on ties, is taken: C is constant there."""
+    L = xbar.shape[0]
+    for i in range(L - 1, -1, -1):
+        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i]  # B(i): δ_i, δ_{i+1}, x̄_{i+1} and its transient
+        LOC[i, i] = max(x[i + 1] + xbar[i] + ftmp[i], need_b)  # base: Fall(i) with δ_{i+1} resident, B(i)
+        SAT[i, i] = LOC[i, i]
+        G[i, i] = 0
+        run = x[i + 1] + ftmp[i]  # Fck(i): x_i is the caller's
+        for l in range(i + 1, L):  # noqa: E741
+            if l - 1 > i:
+                run = max(run, x[l - 1] + x[l] + ftmp[l - 1])  # a later forward holds its input and output
+            G[i, l] = run + x[l + 1]
+            # Chain option: Fall(i) while δ_{l+1} is resident, [i+1..l] within m - xbar[i], then B(i).
+            LOC[i, l] = max(G[i, l], x[l + 1] + xbar[i] + ftmp[i], need_b, xbar[i])
+            SAT[i, l] = max(LOC[i, l], xbar[i] + SAT[i + 1, l])
+
+
+def _leaf(out, cho, right, left, f, j, ties):  # pragma: no cover - runs compiled
+    """``out = min(out, f + right + left)`` elementwise, recording ``j`` where it wins (``ties``: also on equality).
+
+    Branch-free over 1-D views so LLVM vectorises it (views made by the caller: measurably faster than slicing
+    here)."""
+    if ties:
+        for k in range(out.shape[0]):
+            v = f + right[k] + left[k]
+            r = out[k]
+            better = v <= r
+            out[k] = v if better else r
+            cho[k] = j if better else cho[k]
+    else:
+        for k in range(out.shape[0]):
+            v = f + right[k] + left[k]
+            r = out[k]
+            better = v < r
+            out[k] = v if better else r
+            cho[k] = j if better else cho[k]
+
+
+def _fill_table(x, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: no cover - runs compiled
+    """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices.
+    ``x`` has L+2 entries (x[L+1] = 0); sizes are in slots.
+
+    Order: stages i descending, in blocks of _BLOCK; for each block, l ascending; then every entry read is final
+    (C[j, l] has j > i, C[i, j-1] has j-1 < l; sizes of 0 read the same m of those rows). m is innermost.
+
+    Tie rule (the twin in tests/oracles.py follows it): among leaf options the least time wins, the smallest j on
+    equal time; the chain option wins unless the best leaf is faster by more than _TIE_RTOL (relative).
+    """
+    L = xbar.shape[0]
+    S1 = C.shape[1]
+    inf = np.inf
+    keep = 1.0 + _TIE_RTOL
+    G = np.empty((L, L), np.int64)
+    LOC = np.empty((L, L), np.int64)
+    SAT = np.empty((L, L), np.int64)
+    _bounds(x, xbar, ftmp, btmp, G, LOC, SAT)
+    B = _BLOCK
+    F = np.empty((B, L + 1))  # F[i - ilo, j] = fwd[i] + ... + fwd[j-1], summed in that order
+    for ihi in range(L - 1, -1, -B):
+        ilo = max(0, ihi - B + 1)
+        for i in range(ilo, ihi + 1):
+            s = 0.0
+            for j in range(i + 1, L + 1):
+                s += fwd[j - 1]
+                F[i - ilo, j] = s
+        for l in range(ilo, L):  # noqa: E741
+            top = min(ihi, l)
+            for i in range(ilo, top + 1):
+                C[_row(L, i, l)] = inf
+                Cch[_row(L, i, l)] = _CHAIN
+            # Leaf options with j beyond the block (rows C[j, l] final): j ascending, strict <, shared right rows.
+            for j in range(ihi + 1, l + 1):
+                xj = x[j]
+                rj = _row(L, j, l)
+                for i in range(ilo, top + 1):
+                    lo = max(G[i, l], xj)
+                    hi = min(S1, SAT[i, l])
+                    if lo < hi:
+                        r = _row(L, i, l)
+                        _leaf(C[r, lo:hi], Cch[r, lo:hi], C[rj, lo - xj:hi - xj], C[_row(L, i, j - 1), lo:hi],
+                              F[i - ilo, j], j, False)
+            # Finish the block's rows, i descending (C[j, l] for j in the block is then final): leaves with j in
+            # the block, descending with <= so the smallest j wins ties; then the chain option.
+            for i in range(top, ilo - 1, -1):
+                r = _row(L, i, l)
+                hi = min(S1, SAT[i, l])
+                for j in range(top, i, -1):
+                    xj = x[j]
+                    lo = max(G[i, l], xj)
+                    if lo < hi:
+                        _leaf(C[r, lo:hi], Cch[r, lo:hi], C[_row(L, j, l), lo - xj:hi - xj],
+                              C[_row(L, i, j - 1), lo:hi], F[i - ilo, j], j, True)
+                out = C[r]
+                cho = Cch[r]
+                t = fwd[i] + bwd[i]
+                lo = LOC[i, l]
+                if i == l:
+                    for m in range(lo, S1):
+                        out[m] = t
+                elif lo < S1:
+                    sub = C[_row(L, i + 1, l), lo - xbar[i]:]
+                    o = out[lo:]
+                    c = cho[lo:]
+                    for k in range(S1 - lo):
+                        cv = t + sub[k]
+                        v = o[k]
+                        leaf_wins = v * keep < cv
+                        o[k] = v if leaf_wins else cv
+                        c[k] = c[k] if leaf_wins else _CHAIN
+                for m in range(S1):
+                    if out[m] == inf:
+                        cho[m] = _NONE
+
+    # The spine with the loss: D[., L] is the loss (creates δ_L), then i = L-1 .. 0.
+    xL = x[L]
+    for m in range(S1):
+        D[L, m] = 0.0 if m >= xL else inf
+        Dch[L, m] = _CHAIN if m >= xL else _NONE
+    for i in range(L - 1, -1, -1):
+        out = D[i]
+        cho = Dch[i]
+        out[:] = inf
+        cho[:] = _CHAIN
+        g = x[i + 1] + ftmp[i]
+        for k in range(i + 1, L):
+            g = max(g, x[k] + x[k + 1] + ftmp[k])
+        # Leaf options: Fck(i) Fn(i+1..j-1), [j..L] with x_j charged, then [i..j-1] after the loss, with the held
+        # output x_L charged.
+        fs = 0.0
+        for j in range(i + 1, L + 1):
+            fs += fwd[j - 1]
+            xj = x[j]
+            lo = max(g, xj, xL)
+            if lo < S1:
+                _leaf(out[lo:], cho[lo:], D[j, lo - xj:], C[_row(L, i, j - 1), lo - xL:S1 - xL], fs, j, False)
+        # Chain option: Fall(i), [i+1..L] within m - xbar[i], B(i), which also holds x_L beside x̄_{i+1} unless
+        # x_L is inside it (i == L-1).
+        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xL)
+        lo = max(g, xbar[i] + ftmp[i], need_b, xbar[i])
+        t = fwd[i] + bwd[i]
+        if lo < S1:
+            sub = D[i + 1, lo - xbar[i]:]
+            o = out[lo:]
+            c = cho[lo:]
+            for k in range(S1 - lo):
+                cv = t + sub[k]
+                v = o[k]
+                leaf_wins = v * keep < cv
+                o[k] = v if leaf_wins else cv
+                c[k] = c[k] if leaf_wins else _CHAIN
+        for m in range(S1):
+            if out[m] == inf:
+                cho[m] = _NONE
+
+
+def _rebuild(x, xbar, Cch, Dch, m0, out):  # pragma: no cover - runs compiled
+    """Write the ops of the optimal schedule for ``D[m0, 0]`` into ``out`` (rows: kind code, stage); return their
+    count, or -1 if ``out`` is too short. An explicit stack replaces the recursion: task kinds 0 = D(m, i),
+    1 = C(m, i, l), 2 = emit B(i)."""
+    L = xbar.shape[0]
+    stack = np.empty((2 * L + 8, 4), np.int64)  # one pending task per nesting level, levels <= L + 1
+    stack[0, 0] = 0
+    stack[0, 1] = m0
+    stack[0, 2] = 0
+    stack[0, 3] = L
+    top = 1
+    n = 0
+    cap = out.shape[0]
+    while top > 0:
+        top -= 1
+        task = stack[top, 0]
+        m = stack[top, 1]
+        i = stack[top, 2]
+        l = stack[top, 3]  # noqa: E741
+        if task == 2 or (task == 0 and i == L):  # B(i), or the loss
+            if n >= cap:
+                return -1
+            out[n, 0] = 4 if task == 2 else 3
+            out[n, 1] = i
+            n += 1
+            continue
+        j = Dch[i, m] if task == 0 else Cch[_row(L, i, l), m]
+        if j == _CHAIN:  # Fall(i), the rest within m - xbar[i], then B(i)
+            if n >= cap:
+                return -1
+            out[n, 0] = 2
+            out[n, 1] = i
+            n += 1
+            stack[top, 0] = 2
+            stack[top, 2] = i
+            top += 1
+            if task == 0 or i < l:
+                stack[top, 0] = task
+                stack[top, 1] = m - xbar[i]
+                stack[top, 2] = i + 1
+                stack[top, 3] = l
+                top += 1
+        else:  # Fck(i) Fn(i+1..j-1), then [j..l] with x_j charged, then [i..j-1]
+            if n + j - i > cap:
+                return -1
+            out[n, 0] = 0
+            out[n, 1] = i
+            n += 1
+            for k in range(i + 1, j):
+                out[n, 0] = 1
+                out[n, 1] = k
+                n += 1
+            stack[top, 0] = 1
+            stack[top, 1] = m - x[L] if task == 0 else m
+            stack[top, 2] = i
+            stack[top, 3] = j - 1
+            top += 1
+            stack[top, 0] = task
+            stack[top, 1] = m - x[j]
+            stack[top, 2] = j
+            stack[top, 3] = l
+            top += 1
+    return n
+
+
+def _least_memory(x, xbar, ftmp, btmp):  # pragma: no cover - runs compiled
+    """The least m for which ``D[m, 0]`` is finite: the same recurrences with feasibility thresholds composed by
+    ``max`` (all of an option's conditions) and ``min`` (the best option). O(L^3), no slots."""
+    L = xbar.shape[0]
+    big = np.iinfo(np.int64).max // 4
+    Cm = np.empty((L, L), np.int64)
+    for d in range(L):
+        for i in range(L - d):
+            l = i + d  # noqa: E741
+            need_b = x[i] + x[i + 1] + xbar[i] + btmp[i]
+            if d == 0:
+                Cm[i, l] = max(x[i + 1] + xbar[i] + ftmp[i], need_b)
+                continue
+            g = x[i + 1] + ftmp[i]
+            for k in range(i + 1, l):
+                g = max(g, x[k] + x[k + 1] + ftmp[k])
+            g += x[l + 1]
+            best = max(x[l + 1] + xbar[i] + ftmp[i], need_b, xbar[i] + Cm[i + 1, l])
+            for j in range(i + 1, l + 1):
+                best = min(best, max(x[j] + Cm[j, l], Cm[i, j - 1]))
+            Cm[i, l] = max(g, best)
+    xL = x[L]
+    Dm = np.empty(L + 1, np.int64)
+    Dm[L] = xL
+    for i in range(L - 1, -1, -1):
+        g = x[i + 1] + ftmp[i]
+        for k in range(i + 1, L):
+            g = max(g, x[k] + x[k + 1] + ftmp[k])
+        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xL)
+        best = max(xbar[i] + ftmp[i], need_b, xbar[i] + Dm[i + 1])
+        for j in range(i + 1, L + 1):
+            best = min(best, max(x[j] + Dm[j], xL + Cm[i, j - 1]))
+        Dm[i] = min(max(g, best), big)
+    return Dm[0]
+
+
+_compiled: dict[str, Any] = {}
+
+
+def _kernels() -> dict[str, Any]:
+    """Compile (or load from Numba's on-disk cache) the kernels on first use."""
+    if not _compiled:
+        import numba
+
+        # Callees first: a kernel resolves the helpers it calls through the module globals when it compiles.
+        g = globals()
+        for name in ("_row", "_bounds", "_leaf", "_fill_table", "_rebuild", "_least_memory"):
+            g[name] = numba.njit(**_NUMBA_OPTIONS)(g[name])
+        _compiled.update(fill=_fill_table, rebuild=_rebuild, least=_least_memory)
+    return _compiled
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------------------------
+class Solution:
+    """The optimal makespan and schedule for every budget up to ``max_budget``, from one DP table.
+
+    Attributes (bytes and seconds): ``chain``; ``max_budget``; ``slots`` (the table's memory resolution);
+    ``unit`` (bytes per slot, ``max_budget / slots``); ``min_budget`` (least feasible budget at this resolution, None
+    when nothing fits up to ``max_budget``); ``store_all_peak`` (peak of storing everything; at or above it the
+    answer is exactly store-all, ``chain.store_all_time``).
+
+    Budgets above ``max_budget`` are answered as ``max_budget``. A budget is rounded down to whole slots, so the
+    answer for budget b is a schedule whose simulated peak is at most b.
+    """
+
+    def __init__(self, chain: Chain, max_budget: int, slots: int, store_all_peak: int, sizes: dict[str, np.ndarray],
+                 Cch: np.ndarray, Dch: np.ndarray, D0: np.ndarray) -> None:
+        self.chain = chain
+        self.max_budget = int(max_budget)
+        self.slots = int(slots)
+        self.store_all_peak = int(store_all_peak)
+        self._sizes = sizes  # slot sizes: x (L+2 entries, x[L+1] = 0), xbar, fwd_tmp, bwd_tmp
+        self._Cch, self._Dch = Cch, Dch  # the choice tables (C rows: see _row); all a rebuild needs
+        self._D0 = D0  # D[m, 0] as the kernel left it (m = budget in slots minus the slots of x_0)
+        S = self.slots
+        sx0 = int(sizes["x"][0])
+        # Best time per budget in slots s (x_0 included). Store-all time is a bound no schedule beats; values within
+        # the tie margin of it (float reassociation) are snapped to it, so they agree with the store-all answer.
+        t = np.full(S + 1, math.inf)
+        if sx0 <= S:
+            t[sx0:] = D0[: S + 1 - sx0]
+        self._store_all_time = sat = chain.store_all_time
+        t[t <= sat * (1.0 + _TIE_RTOL)] = sat
+        # Answer slot s with the least s' <= s reaching the running minimum: makespan never increases with the
+        # budget, and the schedule of s' fits in s. A new minimum must improve by more than the tie margin.
+        best = np.empty(S + 1, np.int64)
+        cur, cur_t = -1, math.inf
+        for s in range(S + 1):  # S is at most a few thousand: a plain loop is fine here, once
+            if t[s] * (1.0 + _TIE_RTOL) < cur_t:
+                cur, cur_t = s, t[s]
+            best[s] = cur
+        self._t = t
+        self._best = best
+        first = int(np.argmax(best >= 0)) if (best >= 0).any() else None
+        self._dp_min = None if first is None else self._slot_bytes(first)
+        cands = [b for b in (self._dp_min, self.store_all_peak if self.store_all_peak <= self.max_budget else None)
+                 if b is not None]
+        self.min_budget: int | None = min(cands) if cands else None
+        self._frozen = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"a Solution is read-only; solve again to change {name!r}")
+        object.__setattr__(self, name, value)
+
+    # ---------------------------------------------------------------- budgets and slots
+    @property
+    def unit(self) -> float:
+        """Bytes per slot."""
+        return self.max_budget / self.slots
+
+    def _slot_bytes(self, s: int) -> int:
+        """The least budget (bytes) that rounds down to ``s`` slots."""
+        return -(-s * self.max_budget // self.slots)
+
+    def _slots_of(self, budget: int) -> int:
+        return budget * self.slots // self.max_budget
+
+    def _budget(self, budget: Any) -> int:
+        try:
+            b = parse_bytes(budget)
+        except HChainError:
+            raise HChainError(f"cannot read the budget {budget!r}; give bytes (int) or text like '300MiB'") from None
+        return min(b, self.max_budget)
+
+    # ---------------------------------------------------------------- answers
+    def makespan(self, budget: int | str) -> float:
+        """Least makespan (seconds) within ``budget`` bytes; ``inf`` when nothing fits."""
+        b = self._budget(budget)
+        if b >= self.store_all_peak:
+            return self._store_all_time
+        s = self._best[self._slots_of(b)]
+        return float(self._t[s]) if s >= 0 else math.inf
+
+    def schedule(self, budget: int | str) -> Schedule:
+        """The optimal schedule within ``budget`` bytes (budgets above ``max_budget`` are answered as
+        ``max_budget``). Raises :class:`~hchain_viz.errors.InfeasibleBudget` (with ``.min_budget``) when none fits.
+        """
+        requested = parse_bytes(budget) if not isinstance(budget, (int, np.integer)) else int(budget)
+        b = self._budget(budget)
+        meta = {"strategy": "optimal", "budget": int(requested), "slots": self.slots}
+        if b >= self.store_all_peak:  # store-all is optimal and exact here: no rounding, no recomputation
+            L = self.chain.length
+            ops = [Op("Fall", i) for i in range(L)] + [Op("Loss", L)] + [Op("B", i) for i in range(L - 1, -1, -1)]
+            return self._finish(tuple(ops), meta)
+        s = int(self._best[self._slots_of(b)])
+        if s < 0:
+            raise self._infeasible(int(requested))
+        L = self.chain.length
+        out = np.empty((L * (L + 1) // 2 + L + 2, 2), np.int32)  # at most L(L+1)/2 forwards
+        sz = self._sizes
+        n = _kernels()["rebuild"](sz["x"], sz["xbar"], self._Cch, self._Dch, s - int(sz["x"][0]), out)
+        if n < 0:  # cannot happen: a DP schedule has at most L(L+1)/2 forwards
+            raise RuntimeError("internal error: schedule longer than its bound")
+        kinds = [_KINDS[k] for k in out[:n, 0].tolist()]
+        return self._finish(tuple(map(Op, kinds, out[:n, 1].tolist())), meta)
+
+    def _finish(self, ops: tuple[Op, ...], meta: dict) -> Schedule:
+        # The predicted makespan is summed in op order, exactly as the simulator adds it up.
+        t = 0.0
+        fwd, bwd = self.chain.fwd_time, self.chain.bwd_time
+        for kind, i in ops:
+            if kind == "B":
+                t += bwd[i]
+            elif kind != "Loss":
+                t += fwd[i]
+        meta["predicted_makespan"] = t
+        return Schedule(ops, meta)
+
+    def _infeasible(self, budget: int) -> InfeasibleBudget:
+        if self.min_budget is not None:
+            least = self.min_budget
+            msg = (f"no schedule fits in a budget of {budget} B ({_mib(budget)}); the least feasible budget is "
+                   f"{least} B ({_mib(least)}) at this resolution ({self.slots} slots of {format_bytes(self.unit)}); "
+                   f"give at least that")
+        else:
+            least = least_budget(self.chain)
+            msg = (f"no schedule fits in a budget of {budget} B ({_mib(budget)}): nothing fits up to max_budget = "
+                   f"{self.max_budget} B; the least feasible budget is {least} B ({_mib(least)}); solve again with "
+                   f"max_budget above it (a little more than it, or more slots, for the rounding to whole slots)")
+        return InfeasibleBudget(msg, min_budget=least, budget=budget)
+
+    def frontier(self) -> list[tuple[int, float]]:
+        """Breakpoints ``(budget_bytes, makespan)`` of the time-memory trade-off: budgets increasing, makespans
+        strictly decreasing; the first at ``min_budget``; empty when nothing fits up to ``max_budget``."""
+        points = []
+        prev = -1
+        for s in np.flatnonzero(self._best >= 0).tolist():
+            if self._best[s] != prev:
+                prev = self._best[s]
+                points.append((self._slot_bytes(int(prev)), float(self._t[prev])))
+        P = self.store_all_peak
+        if P <= self.max_budget:
+            points = [p for p in points if p[0] < P]
+            if not points or points[-1][1] > self._store_all_time:
+                points.append((P, self._store_all_time))
+        return points
+
+    # ---------------------------------------------------------------- display
+    def _rows(self, n: int = 12) -> list[tuple[str, str, str]]:
+        pts = self.frontier()
+        if len(pts) > n:
+            step = (len(pts) - 1) / (n - 1)
+            pts = [pts[round(k * step)] for k in range(n)]
+        base = self._store_all_time
+        return [(format_bytes(b), format_time(t), f"{100 * (t / base - 1):+.1f}%" if base > 0 else "")
+                for b, t in pts]
+
+    def _head(self) -> str:
+        least = "none" if self.min_budget is None else format_bytes(self.min_budget)
+        return (f"Solution: {self.chain.length} stages, budgets up to {format_bytes(self.max_budget)} in {self.slots} "
+                f"slots of {format_bytes(self.unit)}; least feasible {least}, store-all peak "
+                f"{format_bytes(self.store_all_peak)} ({format_time(self._store_all_time)})")
+
+    def __repr__(self) -> str:
+        head = ("budget", "makespan", "overhead")
+        rows = self._rows()
+        widths = [max(len(r[c]) for r in [head, *rows]) for c in range(3)]
+        lines = [self._head(), "  ".join(h.rjust(w) for h, w in zip(head, widths))]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in self._rows())
+        return (f"<b>{self._head()}</b><table><thead><tr><th>budget</th><th>makespan</th><th>overhead</th></tr>"
+                f"</thead><tbody>{body}</tbody></table>")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _check_chain(chain: Any) -> Chain:
+    if not isinstance(chain, Chain):
+        raise InvalidChain(f"the solver needs a hchain_viz.Chain, got {type(chain).__name__}; build one with "
+                           "hcv.Chain(...) or hcv.profile(model, x)")
+    return chain
+
+
+def _check_slots(slots: Any) -> int:
+    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
+        raise HChainError(f"slots must be a positive integer (the DP's memory resolution, e.g. 500), got {slots!r}")
+    return int(slots)
+
+
+def _slot_sizes(chain: Chain, max_budget: int, slots: int) -> dict[str, np.ndarray]:
+    """Sizes in slots, rounded up (exact integer arithmetic); anything above the whole budget is capped at
+    slots + 1, which is infeasible anyway and keeps sums far from overflow."""
+    def up(vals: tuple[int, ...]) -> np.ndarray:
+        return np.array([min(-(-v * slots // max_budget), slots + 1) for v in vals], dtype=np.int64)
+
+    return {"x": np.append(up(chain.x), 0), "xbar": up(chain.xbar), "fwd_tmp": up(chain.fwd_tmp),
+            "bwd_tmp": up(chain.bwd_tmp)}
+
+
+def store_all_peak(chain: Chain) -> int:
+    """Simulated peak of storing everything (``strategies.store_all``): the largest budget worth solving for."""
+    from .simulate import simulate
+    from .strategies import store_all
+
+    return simulate(chain, store_all(chain)).peak_memory
+
+
+def least_budget(chain: Chain) -> int:
+    """The least budget (bytes, exact) within which any schedule of ``chain`` fits."""
+    arr = chain.arrays()
+    x = np.append(arr["x"], 0)
+    return int(arr["x"][0] + _kernels()["least"](x, arr["xbar"], arr["fwd_tmp"], arr["bwd_tmp"]))
+
+
+def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500) -> Solution:
+    """Solve ``chain`` for every budget up to ``max_budget`` at once.
+
+    ``max_budget``: bytes (int) or text like ``"300MiB"``; default the store-all peak, above which nothing gets
+    faster. ``slots``: the memory resolution of the table (capped at ``max_budget``, which makes integer sizes
+    exact). Time O(slots·L³), memory about ``slots·L²·5`` bytes while building (only the int16 choices are kept).
+    """
+    chain = _check_chain(chain)
+    slots = _check_slots(slots)
+    peak = store_all_peak(chain)
+    if max_budget is None:
+        max_budget = max(peak, 1)  # a chain of zero sizes still gets a one-byte table
+    else:
+        try:
+            max_budget = parse_bytes(max_budget)
+        except HChainError:
+            raise HChainError(f"cannot read max_budget {max_budget!r}; give bytes (int) or text like '300MiB'") \
+                from None
+    if max_budget < 1:
+        raise HChainError(f"max_budget must be at least 1 byte, got {max_budget!r}")
+    slots = min(slots, max_budget)  # finer than one byte buys nothing
+    L = chain.length
+    rows = L * (L + 1) // 2
+    need = (rows + L + 1) * (slots + 1) * 10
+    if need > _MAX_TABLE_BYTES:
+        raise HChainError(f"the DP table for {L} stages and {slots} slots would need {format_bytes(need)}; "
+                          f"use fewer slots (try slots={max(1, slots * _MAX_TABLE_BYTES // need)})")
+    sizes = _slot_sizes(chain, max_budget, slots)
+    arr = chain.arrays()
+    choice_type = np.int16 if L < 2**15 - 1 else np.int32
+    C = np.empty((rows, slots + 1), np.float64)
+    Cch = np.empty((rows, slots + 1), choice_type)
+    D = np.empty((L + 1, slots + 1), np.float64)
+    Dch = np.empty((L + 1, slots + 1), choice_type)
+    _kernels()["fill"](sizes["x"], sizes["xbar"], sizes["fwd_tmp"], sizes["bwd_tmp"], arr["fwd_time"],
+                       arr["bwd_time"], C, Cch, D, Dch)
+    D0 = D[0].copy()
+    del C, D  # only the choices (and the answers D[., 0]) are kept
+    return Solution(chain, max_budget, slots, peak, sizes, Cch, Dch, D0)
+
+
+def optimal_schedule(chain: Chain, budget: int | str, slots: int = 500) -> Schedule:
+    """The optimal schedule for one budget (bytes or text like ``"300MiB"``), solved at that budget's resolution
+    (``solve(chain, max_budget=budget, slots=slots)``). Raises InfeasibleBudget when none fits."""
+    chain = _check_chain(chain)
+    try:
+        b = parse_bytes(budget)
+    except HChainError:
+        raise HChainError(f"cannot read the budget {budget!r}; give bytes (int) or text like '300MiB'") from None
+    if b < 1:
+        least = least_budget(chain)
+        raise InfeasibleBudget(f"a budget of {b} B fits nothing; the least feasible budget is {least} B "
+                               f"({_mib(least)})", min_budget=least, budget=b)
+    solution = solve(chain, max_budget=b, slots=slots)
+    if solution.min_budget is None:
+        least = least_budget(chain)
+        if least > b:
+            raise InfeasibleBudget(f"no schedule fits in a budget of {b} B ({_mib(b)}); the least feasible budget "
+                                   f"is {least} B ({_mib(least)})", min_budget=least, budget=b)
+        raise InfeasibleBudget(
+            f"a budget of {b} B ({_mib(b)}) fits a schedule (the least feasible budget is {least} B) but not at the "
+            f"resolution of {solution.slots} slots of {format_bytes(solution.unit)}, which round sizes up; pass more "
+            f"slots or a slightly larger budget", min_budget=least, budget=b)
+    return solution.schedule(b)

@@ -1,0 +1,227 @@
+"""Benchmark ``models``: automatic chain extraction (runtime/graph.py) on real architectures, on the CPU.
+
+For each model (a ResNet with skip connections in ``forward``, a nanoGPT-style decoder, and, when installed,
+Hugging Face GPT-2 and torchvision resnet18 / densenet121, all with random weights at a small input size):
+
+- the number of stages :func:`~hchain_viz.runtime.graph.extract_stages` finds, the tracer that worked, and the
+  extraction wall time (tracing, analysis, and the check that the stages reproduce the model);
+- the throughput gain of the optimal schedule over PyTorch's ``checkpoint_sequential`` on the same stage list (an
+  ``nn.Sequential``) at equal MEASURED memory: for each segment count n, the fastest optimal schedule whose
+  measured peak is the same or lower, its step rate over checkpoint_sequential's, averaged over n (and the best n).
+
+    python -m hchain_viz bench models [--models resnet_skip,nanogpt,gpt2,resnet18,densenet121] [--rounds 3]
+                                      [--budgets 4] [--no-train] [--threads 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ALL = ("resnet_skip", "nanogpt", "gpt2", "resnet18", "densenet121")
+
+
+def run(args: list[str]) -> None:
+    """Print one row per model: stages, tracer, extraction time, gain over checkpoint_sequential."""
+    parser = argparse.ArgumentParser(prog="hchain_viz bench models", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(ALL), help="comma-separated, from: " + ", ".join(ALL))
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median taken)")
+    parser.add_argument("--budgets", type=int, default=4, help="evenly spaced optimal budgets besides the "
+                                                               "checkpoint_sequential peaks")
+    parser.add_argument("--no-train", action="store_true", help="extraction only (skip the training comparison)")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
+    opts = parser.parse_args(args)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+
+    print(f"models benchmark: torch {torch.__version__}, cpu, {torch.get_num_threads()} threads"
+          + ("" if opts.no_train else f", step times: median of {opts.rounds} interleaved rounds, peaks measured "
+                                      f"with hchain_viz.measure"))
+    head = ("model", "input", "tracer", "stages", "extract", "ckpt_seq points", "avg gain", "best gain")
+    rows = []
+    for name in (n.strip() for n in opts.models.split(",") if n.strip()):
+        if name not in BUILDERS:
+            raise SystemExit(f"unknown model {name!r}; choose from {', '.join(ALL)}")
+        try:
+            model, x, loss_fn, shape = BUILDERS[name]()
+        except _Unavailable as exc:
+            rows.append((name, "", f"skipped: {exc}", "", "", "", "", ""))
+            continue
+        row = _bench_model(name, model, x, loss_fn, shape, opts)
+        rows.append(row)
+    print()
+    _table(head, rows)
+
+
+def _bench_model(name: str, model: nn.Module, x: Any, loss_fn: Callable, shape: str, opts: Any) -> tuple:
+    from ..runtime.graph import extract_stages
+
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        start = time.perf_counter()
+        stages = extract_stages(model, x)
+        seconds = time.perf_counter() - start
+    method = stages[0][1].method
+    if opts.no_train:
+        return (name, shape, method, str(len(stages)), f"{seconds:.2f} s", "", "", "")
+    gains, n_points = _gains(stages, x, loss_fn, opts)
+    avg = f"{100 * statistics.mean(gains):+.1f}%" if gains else "n/a"
+    best = f"{100 * max(gains):+.1f}%" if gains else "n/a"
+    return (name, shape, method, str(len(stages)), f"{seconds:.2f} s", f"{len(gains)}/{n_points}", avg, best)
+
+
+def _gains(stages: list[tuple[str, nn.Module]], x: Any, loss_fn: Callable, opts: Any) -> tuple[list[float], int]:
+    """Gain of the optimal schedule over checkpoint_sequential(n) at equal measured peak, for each n that some
+    optimal schedule matches."""
+    from ..core.simulate import simulate
+    from ..core.solver import solve
+    from ..core.strategies import periodic
+    from ..runtime.measure import fresh_copy, measure
+    from ..runtime.profile import profile
+    from ..runtime.wrap import wrap
+    from .train import _CheckpointSequential, _interleaved_times
+
+    seq = nn.Sequential(*[m for _, m in stages])  # what checkpoint_sequential runs; wrap() takes its children
+    chain = profile([(n, m) for n, m in stages], x, loss_fn, progress=False)
+    sol = solve(chain)
+    L = chain.length
+    ckpt = [(_CheckpointSequential(seq, n), simulate(chain, periodic(chain, n)).peak_memory) for n in range(1, L + 1)]
+    lo, hi = sol.min_budget, sol.store_all_peak
+    budgets = {lo + (hi - lo) * k // max(1, opts.budgets - 1) for k in range(opts.budgets)}
+    budgets |= {p for _, p in ckpt if lo <= p <= hi}
+    optimal = [wrap(seq, sol.schedule(b)) for b in sorted(budgets)]
+    modules = [m for m, _ in ckpt] + optimal
+    peaks = [measure(m, x, loss_fn, repeats=1).peak_bytes for m in modules]
+    times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
+    for p in seq.parameters():
+        p.grad = None
+    opt = list(zip(peaks[L:], times[L:]))
+    gains = []
+    for peak, t in zip(peaks[:L], times[:L]):
+        fits = [o_time for o_peak, o_time in opt if o_peak <= peak]
+        if fits:
+            gains.append(t / min(fits) - 1.0)
+    return gains, L
+
+
+# ---------------------------------------------------------------------------------------------- models
+class _Unavailable(Exception):
+    """An optional package is missing or cannot be imported here."""
+
+
+def _cross_entropy(target: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    def loss(out: Any) -> torch.Tensor:
+        logits = out.logits if hasattr(out, "logits") else out
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    return loss
+
+
+def _resnet_skip() -> tuple:
+    from ..runtime.models import resnet_skip
+
+    model, x, loss_fn = resnet_skip(batch=8, image=32, width=16, blocks=(2, 2, 2, 2))
+    return model, x, loss_fn, "8x3x32x32"
+
+
+class _Block(nn.Module):
+    """Pre-LN transformer block (residual stream, causal mask buffer sliced by the traced sequence length)."""
+
+    def __init__(self, d: int, heads: int, seq: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.drop = nn.Dropout(0.1)
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
+        y = (self.drop(F.softmax(att, dim=-1)) @ v).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.drop(self.proj(y))
+        return x + self.mlp(self.ln2(x))
+
+
+class _NanoGPT(nn.Module):
+    """nanoGPT-style decoder written as a plain module: tied embedding, blocks in a ModuleList."""
+
+    def __init__(self, vocab: int, d: int, heads: int, seq: int, layers: int):
+        super().__init__()
+        self.wte, self.wpe, self.drop = nn.Embedding(vocab, d), nn.Embedding(seq, d), nn.Dropout(0.1)
+        self.h = nn.ModuleList([_Block(d, heads, seq) for _ in range(layers)])
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.size()
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(0, T, device=idx.device)))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def _nanogpt() -> tuple:
+    torch.manual_seed(0)
+    model = _NanoGPT(vocab=256, d=128, heads=4, seq=128, layers=6)
+    idx, target = torch.randint(0, 256, (8, 128)), torch.randint(0, 256, (8, 128))
+    return model, idx, _cross_entropy(target), "8x128 tokens"
+
+
+def _gpt2() -> tuple:
+    try:
+        import transformers
+    except Exception as exc:
+        raise _Unavailable(f"transformers ({type(exc).__name__})") from None
+    config = transformers.GPT2Config(n_layer=6, n_embd=128, n_head=4, vocab_size=256, n_positions=128,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids, target = torch.randint(0, 256, (8, 128)), torch.randint(0, 256, (8, 128))
+    inp = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return model, inp, _cross_entropy(target), "8x128 tokens"
+
+
+def _torchvision(name: str) -> Callable[[], tuple]:
+    def build() -> tuple:
+        try:
+            import torchvision
+        except Exception as exc:  # PyPI's torchvision may not import beside a CPU-only torch build
+            raise _Unavailable(f"torchvision ({type(exc).__name__})") from None
+        torch.manual_seed(0)
+        model = getattr(torchvision.models, name)(weights=None, num_classes=10)
+        x, target = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
+        return model, x, _cross_entropy(target), "8x3x64x64"
+
+    return build
+
+
+BUILDERS: dict[str, Callable[[], tuple]] = {
+    "resnet_skip": _resnet_skip,
+    "nanogpt": _nanogpt,
+    "gpt2": _gpt2,
+    "resnet18": _torchvision("resnet18"),
+    "densenet121": _torchvision("densenet121"),
+}
+
+
+def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
+    line = lambda r: "  ".join(s.ljust(w) if c < 3 else s.rjust(w) for c, (s, w) in enumerate(zip(r, widths)))
+    print(line(head))
+    for r in rows:
+        print(line(r).rstrip())

@@ -1,0 +1,125 @@
+"""Benchmark of the optimal solver: DP table build time and memory, one schedule rebuild, cold start.
+
+``python -m hchain_viz bench solver [--quick] [--reps N]`` prints one table: for each chain length L and resolution
+(slots), the median build time of ``solve`` after a warm-up, the memory of the tables while building (float64 times
++ int16 choices) and kept afterwards (the choices), and the median time of ``Solution.schedule`` at a mid-range
+budget. Then the cost of a fresh process (import + first solve of L=100), with Numba's cache empty and warm.
+Chains are ``Chain.random(L, seed=0)``. Timings are wall-clock, with the build's CPU time beside it: on a shared
+machine the wall time is noisy and inflated, and the gap shows by how much.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from ..core.chain import Chain
+from ..core.solver import solve
+from ..core.units import format_bytes, format_time
+
+# Goals (2 CPU cores): table build at (L, slots), rebuild at L=100, fresh-process start with a warm Numba cache.
+GOALS = {(100, 500): 0.050, (300, 500): 2.0}
+GOAL_TABLE_BYTES = {(300, 500): 2**30}
+GOAL_REBUILD = 1e-3  # at L = 100
+GOAL_COLD_START = 3.0  # warm cache
+
+FULL = [(L, S) for L in (10, 50, 100, 200, 300) for S in (500, 2000)]
+QUICK = [(10, 500), (100, 500), (300, 500)]
+
+_COLD_CODE = (
+    "import time; t = time.perf_counter(); import hchain_viz as hcv; "
+    "hcv.solve(hcv.Chain.random(100, seed=0)); print(time.perf_counter() - t)"
+)
+
+
+def _median_time(fn, reps: int) -> tuple[float, float]:
+    """Median (wall, CPU) seconds of ``fn()``. The kernels are serial, so CPU time is what an idle machine's wall
+    time would be; a gap between the two measures the machine's load."""
+    wall, cpu = [], []
+    for _ in range(reps):
+        t, c = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def _table_bytes(L: int, slots: int) -> tuple[int, int]:
+    """(bytes while building, bytes kept): C and D as float64 + int16 choices; only the choices are kept."""
+    cells = (L * (L + 1) // 2 + L + 1) * (slots + 1)
+    return cells * 10, cells * 2
+
+
+def _cold_start(cache_dir: str) -> tuple[float, float]:
+    """(seconds inside the process for import + first solve, seconds of the whole process) with that cache."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _COLD_CODE], env=env, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1]), time.perf_counter() - t
+
+
+def _print_table(head: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
+    for r in [head, ["-" * w for w in widths], *rows]:
+        print("  ".join(s.rjust(w) for s, w in zip(r, widths)))
+
+
+def run(args: list[str]) -> None:
+    """Print the benchmark table. Options: ``--quick`` (L = 10, 100, 300 at 500 slots), ``--reps N`` (default 5)."""
+    from ..errors import HChainError
+
+    quick = "--quick" in args
+    reps = 5
+    if "--reps" in args:
+        try:
+            reps = int(args[args.index("--reps") + 1])
+        except (IndexError, ValueError):
+            raise HChainError("--reps needs a whole number, like --reps 5") from None
+    unknown = [a for a in args if a not in ("--quick", "--reps", str(reps))]
+    if unknown:
+        raise HChainError(f"unknown option(s) {unknown}; the solver benchmark takes --quick and --reps N")
+    configs = QUICK if quick else FULL
+
+    solve(Chain.random(5, seed=0))  # compile or load the kernels before timing anything
+    head = ["L", "slots", "build", "(cpu)", "goal", "table (build)", "kept", "rebuild", "goal", "ops"]
+    rows = []
+    for L, slots in configs:
+        chain = Chain.random(L, seed=0)
+        solution = solve(chain, slots=slots)  # warm-up
+        build, build_cpu = _median_time(lambda c=chain, s=slots: solve(c, slots=s), reps)
+        budget = (solution.min_budget + solution.store_all_peak) // 2
+        schedule = solution.schedule(budget)
+        rebuild, _ = _median_time(lambda sol=solution, b=budget: sol.schedule(b), max(reps, 50))
+        building, kept = _table_bytes(L, slots)
+        goal = GOALS.get((L, slots))
+        mem_goal = GOAL_TABLE_BYTES.get((L, slots))
+        rows.append([
+            str(L), str(slots), format_time(build), format_time(build_cpu),
+            "" if goal is None else f"<= {format_time(goal)} {'ok' if build <= goal else 'MISSED'}",
+            format_bytes(building) + ("" if mem_goal is None else f" (<= {format_bytes(mem_goal)} "
+                                                                 f"{'ok' if building <= mem_goal else 'MISSED'})"),
+            format_bytes(kept), format_time(rebuild),
+            f"<= {format_time(GOAL_REBUILD)} {'ok' if rebuild <= GOAL_REBUILD else 'MISSED'}" if L == 100 else "",
+            str(len(schedule)),
+        ])
+    print(f"Solver: table build (median of {reps} after a warm-up), table memory, one schedule rebuild at a "
+          f"mid-range budget (median of {max(reps, 50)}); Chain.random(L, seed=0)")
+    _print_table(head, rows)
+
+    with tempfile.TemporaryDirectory() as cache:
+        cold_in, cold_all = _cold_start(cache)  # empty cache: everything compiles
+        warm_in, warm_all = _cold_start(cache)  # the cache the first run wrote
+    print("\nFresh process: import hchain_viz + first solve (L=100, 500 slots)")
+    _print_table(["Numba cache", "import + solve", "whole process", "goal"], [
+        ["cold (empty)", format_time(cold_in), format_time(cold_all), ""],
+        ["warm", format_time(warm_in), format_time(warm_all),
+         f"<= {format_time(GOAL_COLD_START)} {'ok' if warm_all <= GOAL_COLD_START else 'MISSED'}"],
+    ])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run(sys.argv[1:])

@@ -1,0 +1,359 @@
+"""Oracles for the solver tests, written apart from ``hchain_viz.core.solver``.
+
+Two of them (STYLE: every kernel is tested against a naive twin, and the optimum against a brute force):
+
+- :func:`brute_force` — an exhaustive shortest-path search (Dijkstra) over *every* op sequence the grammar allows on a
+  small chain, each step checked by the memory model of DESIGN §3. It knows nothing of the DP's structure (no
+  sub-chains): it only knows which op may follow which state, what it costs and what it leaves. Its state transition
+  :func:`step` re-implements ``simulate``'s rules; ``test_solver`` checks it against ``simulate`` on random op
+  sequences, and every path it returns is replayed through ``simulate``. ``relaxed=True`` also searches schedules
+  outside the model (a kept checkpoint consumed early), to show what the model leaves out.
+- :func:`twin_solve` — the recurrences of DESIGN §4 written as plain Python over dicts, filled in the other order the
+  design allows (m outermost, spans of increasing length inside), so the Numba kernel is checked entry by entry
+  against code that shares none of its loops, indexing or layout. Only the tie rule is shared on purpose (the twin
+  must pick the same option when two have equal time, so the op lists can be compared too).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from typing import NamedTuple
+
+from hchain_viz.core.chain import Chain
+from hchain_viz.core.schedule import Op, Schedule
+
+INF = math.inf
+
+# ----------------------------------------------------------------------------------------------------------------
+# The brute force
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class State(NamedTuple):
+    """What the memory model needs to know to judge the next op.
+
+    ``res``: frozenset of resident items ``(kind, stage, bytes)`` with kinds ``x``, ``xbar``, ``out``, ``delta``
+    (as in ``simulate``); ``loss_done``; ``bwd_done``: frozenset of stages whose backward has run.
+    """
+
+    res: frozenset
+    loss_done: bool
+    bwd_done: frozenset
+    kept: frozenset = frozenset()  # stages whose input a Fck kept: checkpoints until their B (DESIGN §3 as amended)
+
+
+def initial_state(chain: Chain) -> State:
+    """Only x_0, the caller's input, is resident."""
+    return State(frozenset({("x", 0, chain.x[0])}), False, frozenset())
+
+
+def memory(state: State) -> int:
+    return sum(size for _, _, size in state.res)
+
+
+def _has(state: State, kind: str, stage: int) -> bool:
+    return any(k == kind and s == stage for k, s, _ in state.res)
+
+
+def _size(state: State, kind: str, stage: int) -> int:
+    return next(size for k, s, size in state.res if k == kind and s == stage)
+
+
+def _input_ok(state: State, i: int) -> bool:
+    return _has(state, "x", i) or (i > 0 and _has(state, "xbar", i - 1))
+
+
+def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[State, int, float] | None:
+    """Apply ``op``: ``(next state, peak bytes during the op, seconds)``, or None when the model forbids it.
+
+    ``relaxed``: also let ``Fn(k)`` drop a checkpoint that ``Fck(k)`` kept (outside the model; see brute_force)."""
+    kind, i = op
+    L = chain.length
+    x, xbar = chain.x, chain.xbar
+    res = set(state.res)
+    if kind == "Loss":
+        if i != L or state.loss_done or not _has(state, "out", L):
+            return None
+        res.add(("delta", L, x[L]))
+        return State(frozenset(res), True, state.bwd_done, state.kept), memory(state) + x[L], 0.0
+    if not 0 <= i < L:
+        return None
+    if kind == "B":
+        if not state.loss_done or not _has(state, "delta", i + 1) or not _has(state, "xbar", i):
+            return None
+        if not _input_ok(state, i):
+            return None
+        peak = memory(state) + x[i] + chain.bwd_tmp[i]
+        res.discard(("delta", i + 1, _size(state, "delta", i + 1)))
+        res.discard(("xbar", i, _size(state, "xbar", i)))
+        if i > 0 and _has(state, "x", i):
+            res.discard(("x", i, x[i]))
+        res.add(("delta", i, x[i]))
+        return State(frozenset(res), True, state.bwd_done | {i}, state.kept - {i}), peak, chain.bwd_time[i]
+    # a forward of stage i
+    if i in state.bwd_done or not _input_ok(state, i):
+        return None
+    if _has(state, "xbar", i) or (i + 1 < L and _has(state, "x", i + 1)):
+        return None  # its output is already resident
+    if kind == "Fall":
+        if i == L - 1 and not _has(state, "out", L):
+            new = [("out", L, x[L]), ("xbar", i, xbar[i] - x[L])]
+        else:
+            new = [("xbar", i, xbar[i])]
+    else:
+        if i + 1 in state.bwd_done:
+            return None
+        if i + 1 == L:
+            if _has(state, "out", L):
+                return None
+            new = [("out", L, x[L])]
+        else:
+            new = [("x", i + 1, x[i + 1])]
+    peak = memory(state) + sum(s for _, _, s in new) + chain.fwd_tmp[i]
+    if kind == "Fn":
+        if i == 0 or not _has(state, "x", i) or (i in state.kept and not relaxed):
+            return None
+        res.discard(("x", i, x[i]))
+    res.update(new)
+    kept = state.kept | {i} if kind == "Fck" else state.kept
+    return State(frozenset(res), state.loss_done, state.bwd_done, kept), peak, chain.fwd_time[i]
+
+
+def all_ops(L: int) -> list[Op]:
+    """Every op a schedule of an L-stage chain could contain."""
+    ops = [Op(k, i) for i in range(L) for k in ("Fck", "Fn", "Fall", "B")]
+    return ops + [Op("Loss", L)]
+
+
+def is_final(chain: Chain, state: State) -> bool:
+    return state.loss_done and len(state.bwd_done) == chain.length
+
+
+def _successors(chain: Chain, state: State, ops: list[Op], relaxed: bool):
+    """``(op, next state, peak, seconds)`` for every op the model (or the relaxed grammar) accepts from ``state``."""
+    for op in ops:
+        nxt = step(chain, state, op, relaxed)
+        if nxt is not None:
+            yield op, nxt[0], nxt[1], nxt[2]
+
+
+def brute_force(chain: Chain, budget: int, *, relaxed: bool = False) -> tuple[float, Schedule | None]:
+    """Least makespan over all op sequences whose every op peaks at most ``budget`` bytes (Dijkstra on time).
+
+    Every sequence the memory model accepts is searched; in the model checkpoints persist (an x_k kept by
+    ``Fck(k)`` is only freed by ``B(k)``). ``relaxed=True`` searches beyond the model too, letting a later ``Fn(k)``
+    consume a kept checkpoint (its backward then recomputes x_k from an earlier one) — sometimes faster; those
+    schedules do not pass ``simulate``.
+
+    Returns ``(makespan, schedule)``, or ``(inf, None)`` when nothing fits. Zero-time ops are fine for Dijkstra:
+    each state is settled once, at its least time.
+    """
+    start = initial_state(chain)
+    if memory(start) > budget:
+        return INF, None
+    ops = all_ops(chain.length)
+    tie = itertools.count()
+    heap = [(0.0, next(tie), start, ())]
+    settled = set()
+    while heap:
+        t, _, key, path = heapq.heappop(heap)
+        if key in settled:
+            continue
+        settled.add(key)
+        if is_final(chain, key):
+            return t, Schedule(tuple(path), {"strategy": "brute_force"})
+        for op, new_key, peak, dt in _successors(chain, key, ops, relaxed):
+            if peak <= budget and new_key not in settled:
+                heapq.heappush(heap, (t + dt, next(tie), new_key, path + (op,)))
+    return INF, None
+
+
+def brute_frontier(chain: Chain, *, relaxed: bool = False) -> list[tuple[int, float]]:
+    """Every budget's optimum at once: the breakpoints ``(budget, makespan)`` (budgets increasing, makespans
+    strictly decreasing) of the exhaustive search, by a bi-objective label-setting search (time, running peak).
+
+    Labels are settled in order of time; a label is kept only if its peak is below every label already settled at
+    its state (which all came no later), so each state keeps a staircase of (time, peak) pairs.
+    """
+    start = initial_state(chain)
+    ops = all_ops(chain.length)
+    tie = itertools.count()
+    heap = [(0.0, memory(start), next(tie), start)]
+    least_peak: dict = {}
+    front: list[tuple[int, float]] = []
+    while heap:
+        t, p, _, key = heapq.heappop(heap)
+        if p >= least_peak.get(key, INF):
+            continue
+        least_peak[key] = p
+        if is_final(chain, key):
+            front.append((p, t))
+            continue
+        for _op, new_key, peak, dt in _successors(chain, key, ops, relaxed):
+            q = max(p, peak)
+            if q < least_peak.get(new_key, INF):
+                heapq.heappush(heap, (t + dt, q, next(tie), new_key))
+    # final labels arrive by increasing time with decreasing peaks; keep strict improvements, budget increasing
+    front.sort(key=lambda bt: (bt[0], bt[1]))
+    out: list[tuple[int, float]] = []
+    for b, t in front:
+        if not out or t < out[-1][1]:
+            out.append((b, t))
+    return out
+
+
+def frontier_makespan(front: list[tuple[int, float]], budget: int) -> float:
+    """The optimum within ``budget`` read from a frontier (inf below its first budget)."""
+    return min((t for b, t in front if b <= budget), default=INF)
+
+
+def brute_min_budget(chain: Chain) -> int:
+    """The least budget any complete schedule fits in (a bottleneck shortest path: minimise the running peak)."""
+    start = initial_state(chain)
+    ops = all_ops(chain.length)
+    tie = itertools.count()
+    heap = [(memory(start), next(tie), start)]
+    settled = set()
+    while heap:
+        peak, _, state = heapq.heappop(heap)
+        if state in settled:
+            continue
+        settled.add(state)
+        if is_final(chain, state):
+            return peak
+        for op in ops:
+            nxt = step(chain, state, op)
+            if nxt is not None and nxt[0] not in settled:
+                heapq.heappush(heap, (max(peak, nxt[1]), next(tie), nxt[0]))
+    raise AssertionError("every chain has a complete schedule")  # store-all always exists
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The plain-Python twin of the DP (DESIGN §4)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Twin(NamedTuple):
+    """The twin's tables: ``C[(m, i, l)]``, ``D[(m, i)]`` (seconds, inf when infeasible) and their choices
+    (0: the chain option / base case / the loss, j > i: the leaf option with checkpoint j, -1: infeasible);
+    ``sizes``: the slot sizes used; ``S``: slots; ``sx0``: slots of x_0."""
+
+    C: dict
+    Cch: dict
+    D: dict
+    Dch: dict
+    sizes: dict
+    S: int
+    sx0: int
+
+    def makespan_at_slot(self, s: int) -> float:
+        """Best time for a budget of ``s`` slots (x_0 included)."""
+        return self.D[(s - self.sx0, 0)] if s >= self.sx0 else INF
+
+
+def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Twin:
+    """Fill C and D for every m in 0..slots, exactly as DESIGN §4 states them (sizes rounded up to slots)."""
+    L = chain.length
+    S = slots
+    up = lambda v: _ceil_div(v * S, max_budget)  # noqa: E731  (bytes -> slots, rounded up)
+    x = [up(v) for v in chain.x] + [0]  # x[L+1] = 0: nothing arrives from beyond the loss
+    xbar = [up(v) for v in chain.xbar]
+    ftmp = [up(v) for v in chain.fwd_tmp]
+    btmp = [up(v) for v in chain.bwd_tmp]
+    fwd, bwd = chain.fwd_time, chain.bwd_time
+    C: dict = {}
+    Cch: dict = {}
+    D: dict = {}
+    Dch: dict = {}
+
+    def pick(via_chain: float, leaves: list[float], i: int) -> tuple[float, int]:
+        """The tie rule: the fastest leaf (smallest j on equal time) beats the chain option only when faster by
+        more than ``tie_rtol`` (relative)."""
+        leaf = min(leaves, default=INF)
+        j = i + 1 + leaves.index(leaf) if leaves else -1
+        if leaf * (1 + tie_rtol) < via_chain:
+            return leaf, j
+        return (via_chain, 0) if via_chain < INF else (INF, -1)
+
+    def sweep_peak(i: int, end: int) -> int:
+        """max(x[i+1] + ftmp[i], max over i<k<end of x[k] + x[k+1] + ftmp[k])."""
+        return max([x[i + 1] + ftmp[i]] + [x[k] + x[k + 1] + ftmp[k] for k in range(i + 1, end)])
+
+    for m in range(S + 1):
+        for span in range(L):
+            for i in range(L - span):
+                l = i + span  # noqa: E741
+                need_b = x[i] + x[i + 1] + xbar[i] + btmp[i]
+                best, choice = INF, -1
+                if i == l:
+                    if m >= x[i + 1] + xbar[i] + ftmp[i] and m >= need_b:
+                        best, choice = fwd[i] + bwd[i], 0
+                elif m >= x[l + 1] + sweep_peak(i, l):
+                    via_chain = INF
+                    if m >= x[l + 1] + xbar[i] + ftmp[i] and m >= need_b and m >= xbar[i]:
+                        via_chain = fwd[i] + bwd[i] + C[(m - xbar[i], i + 1, l)]
+                    leaves = [sum(fwd[i:j]) + C[(m - x[j], j, l)] + C[(m, i, j - 1)] if m >= x[j] else INF
+                              for j in range(i + 1, l + 1)]
+                    best, choice = pick(via_chain, leaves, i)
+                C[(m, i, l)], Cch[(m, i, l)] = best, choice
+        D[(m, L)], Dch[(m, L)] = (0.0, 0) if m >= x[L] else (INF, -1)
+        for i in range(L - 1, -1, -1):
+            best, choice = INF, -1
+            if m >= sweep_peak(i, L):
+                need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else x[L])
+                via_chain = INF
+                if m >= xbar[i] + ftmp[i] and m >= need_b:
+                    via_chain = fwd[i] + bwd[i] + D[(m - xbar[i], i + 1)]
+                leaves = [sum(fwd[i:j]) + D[(m - x[j], j)] + C[(m - x[L], i, j - 1)] if m >= x[j] and m >= x[L]
+                          else INF for j in range(i + 1, L + 1)]
+                best, choice = pick(via_chain, leaves, i)
+            D[(m, i)], Dch[(m, i)] = best, choice
+    sizes = {"x": x, "xbar": xbar, "fwd_tmp": ftmp, "bwd_tmp": btmp}
+    return Twin(C, Cch, D, Dch, sizes, S, up(chain.x[0]))
+
+
+def twin_schedule(twin: Twin, L: int, s: int) -> Schedule:
+    """Rebuild the op list for a budget of ``s`` slots by recursion over the twin's choices."""
+    x, xbar = twin.sizes["x"], twin.sizes["xbar"]
+    ops: list[Op] = []
+
+    def sweep(i: int, j: int) -> None:
+        ops.append(Op("Fck", i))
+        ops.extend(Op("Fn", k) for k in range(i + 1, j))
+
+    def c(m: int, i: int, l: int) -> None:  # noqa: E741
+        j = twin.Cch[(m, i, l)]
+        assert j >= 0, (m, i, l)
+        if j == 0:
+            ops.append(Op("Fall", i))
+            if i < l:
+                c(m - xbar[i], i + 1, l)
+            ops.append(Op("B", i))
+        else:
+            sweep(i, j)
+            c(m - x[j], j, l)
+            c(m, i, j - 1)
+
+    def d(m: int, i: int) -> None:
+        if i == L:
+            ops.append(Op("Loss", L))
+            return
+        j = twin.Dch[(m, i)]
+        assert j >= 0, (m, i)
+        if j == 0:
+            ops.append(Op("Fall", i))
+            d(m - xbar[i], i + 1)
+            ops.append(Op("B", i))
+        else:
+            sweep(i, j)
+            d(m - x[j], j)
+            c(m - x[L], i, j - 1)
+
+    d(s - twin.sx0, 0)
+    return Schedule(tuple(ops), {"strategy": "twin"})

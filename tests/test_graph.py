@@ -1,0 +1,453 @@
+"""Tests of runtime/graph.py: automatic chain extraction with torch.fx / torch.export.
+
+Every model is checked end to end: the stages run in sequence give the model's output bitwise (CPU), and the
+gradients of a backward through the staged run equal eager ones. Optional packages (transformers, torchvision)
+skip cleanly when they are missing or cannot be imported beside this torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+from hchain_viz.errors import HChainError, NotSequentialError  # noqa: E402
+from hchain_viz.runtime.graph import GraphStage, cached_stages, extract_stages  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+# ---------------------------------------------------------------------------------------------- test-local models
+class Block(nn.Module):
+    """A pre-LN transformer block with a causal-mask buffer sliced by the sequence length (a residual stream)."""
+
+    def __init__(self, d: int, heads: int, seq: int, p: float):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.drop = nn.Dropout(p)
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
+        y = (self.drop(F.softmax(att, dim=-1)) @ v).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.drop(self.proj(y))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT-style decoder: tied embedding, dropout, blocks in a ModuleList, sizes read from the input."""
+
+    def __init__(self, vocab: int = 50, d: int = 32, heads: int = 4, seq: int = 16, layers: int = 3, p: float = 0.1):
+        super().__init__()
+        self.wte, self.wpe, self.drop = nn.Embedding(vocab, d), nn.Embedding(seq, d), nn.Dropout(p)
+        self.h = nn.ModuleList([Block(d, heads, seq, p) for _ in range(layers)])
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        B, T = idx.size()
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(0, T, device=idx.device)))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class DenseLayer(nn.Module):
+    def __init__(self, c_in: int, growth: int):
+        super().__init__()
+        self.norm, self.conv = nn.BatchNorm2d(c_in), nn.Conv2d(c_in, growth, 3, padding=1, bias=False)
+
+    def forward(self, features: list):
+        return self.conv(F.relu(self.norm(torch.cat(features, 1))))
+
+
+class DenseBlock(nn.ModuleDict):
+    """DenseNet's block: every layer reads all earlier features (no single-value cut inside)."""
+
+    def __init__(self, layers: int, c_in: int, growth: int):
+        super().__init__({f"denselayer{i + 1}": DenseLayer(c_in + i * growth, growth) for i in range(layers)})
+
+    def forward(self, x):
+        features = [x]
+        for layer in self.values():
+            features.append(layer(features))
+        return torch.cat(features, 1)
+
+
+class Transition(nn.Sequential):
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__(nn.BatchNorm2d(c_in), nn.ReLU(), nn.Conv2d(c_in, c_out, 1, bias=False), nn.AvgPool2d(2))
+
+
+class TinyDenseNet(nn.Module):
+    """torchvision's DenseNet layout: ``features`` (Sequential with dense blocks), functional tail, classifier."""
+
+    def __init__(self, growth: int = 4, classes: int = 5):
+        super().__init__()
+        self.features = nn.Sequential()
+        self.features.add_module("conv0", nn.Conv2d(3, 8, 3, padding=1, bias=False))
+        self.features.add_module("norm0", nn.BatchNorm2d(8))
+        self.features.add_module("relu0", nn.ReLU(inplace=True))
+        self.features.add_module("denseblock1", DenseBlock(2, 8, growth))
+        self.features.add_module("transition1", Transition(8 + 2 * growth, 8))
+        self.features.add_module("denseblock2", DenseBlock(2, 8, growth))
+        self.features.add_module("norm5", nn.BatchNorm2d(8 + 2 * growth))
+        self.classifier = nn.Linear(8 + 2 * growth, classes)
+
+    def forward(self, x):
+        out = F.adaptive_avg_pool2d(F.relu(self.features(x), inplace=True), (1, 1))
+        return self.classifier(torch.flatten(out, 1))
+
+
+class Scaled(nn.Module):
+    """Top-level buffer and parameter read in every block, plus a tensor literal: attributes used by many stages."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+        self.register_buffer("scale", torch.full((8,), 0.5))
+        self.gain = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) * self.scale * self.gain
+        return x + torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+
+
+class MaskedEncoder(nn.Module):
+    """Keyword inputs, a mask read by every layer (a side value travelling beside the activation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, input_ids, attention_mask=None):
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = layer(x) * attention_mask.unsqueeze(-1)
+        return {"logits": self.out(x), "pooled": x.mean(1)}
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: neither fx nor export can trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        if y.sum() > 0:
+            y = y * 2
+        return self.b(y)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def run_stages(stages, x):
+    for _, stage in stages:
+        x = stage(x)
+    return x
+
+
+def leaves(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [v for v in out.values() if isinstance(v, torch.Tensor)]
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def assert_matches_eager(model, x, *, granularity=None, seed=0, loss=lambda out: sum(t.float().pow(2).mean()
+                                                                                       for t in leaves(out))):
+    """Stages reproduce the forward bitwise and give eager's parameter gradients bitwise; buffers updated once."""
+    stages = extract_stages(model, x, granularity=granularity)
+    twin = copy.deepcopy(model)
+    call = (lambda m: m(**x)) if isinstance(x, dict) else (lambda m: m(*x) if isinstance(x, tuple) else m(x))
+    torch.manual_seed(seed)
+    want = call(twin)
+    loss(want).backward()
+    torch.manual_seed(seed)
+    got = run_stages(stages, x)
+    loss(got).backward()
+    assert len(leaves(got)) == len(leaves(want))
+    for g, w in zip(leaves(got), leaves(want)):
+        assert torch.equal(g, w)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert p.grad is not None, name
+        assert torch.equal(p.grad, q.grad), name
+    for (name, b), c in zip(model.named_buffers(), twin.buffers()):
+        assert torch.equal(b, c), f"buffer {name} not updated exactly as in eager mode"
+    return stages
+
+
+# ---------------------------------------------------------------------------------------------- models
+def test_resnet_skip_blocks_and_eager_equality():
+    from hchain_viz.runtime.models import resnet_skip
+
+    model, x, _ = resnet_skip(batch=2, image=16, width=4, blocks=(1, 2))
+    stages = assert_matches_eager(model, x)
+    names = [n for n, _ in stages]
+    assert names == ["stem", "layer1.0", "layer2.0", "layer2.1", "head"]
+    assert all(isinstance(s, GraphStage) and s.method == "fx" for _, s in stages)
+
+
+def test_no_stage_writes_into_its_input():
+    """ReLU(inplace=True) right after a cut would overwrite the checkpoint: such cuts are not taken."""
+    from hchain_viz.runtime.models import resnet_skip
+
+    model, x, _ = resnet_skip(batch=2, image=16, width=4, blocks=(1, 1))
+    model.eval()
+    finest = extract_stages(model, x, granularity="finest")
+    assert len(finest) > 4
+    h = x
+    with torch.no_grad():
+        for name, stage in finest:
+            inp, version = h, h._version
+            h = stage(inp)
+            assert inp._version == version, f"stage {name} wrote into its input"
+        assert torch.equal(h, model(x))
+
+
+def test_transformer_residual_stream_dropout_and_tied_weights():
+    torch.manual_seed(0)
+    model = TinyGPT()
+    idx = torch.randint(0, 50, (2, 16))
+    stages = assert_matches_eager(model, idx, seed=3)
+    assert [n for n, _ in stages] == ["stem", "h.0", "h.1", "h.2", "head"]
+    # fx stages stay shape-generic: another batch size and a shorter sequence run too.
+    other = torch.randint(0, 50, (3, 9))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(run_stages(stages, other), model(other))
+
+
+def test_densenet_concat_blocks_are_whole_stages():
+    torch.manual_seed(0)
+    model = TinyDenseNet()
+    x = torch.randn(2, 3, 8, 8)
+    stages = assert_matches_eager(model, x)
+    assert [n for n, _ in stages] == ["stem", "denseblock1", "transition1", "denseblock2", "head"]
+    finest = [n for n, _ in extract_stages(model, x, granularity="finest")]
+    assert not any(n.startswith("denseblock1[") for n in finest)  # no cut between dense layers
+    assert len(finest) > len(stages)
+
+
+def test_keyword_inputs_and_side_mask_travel_in_a_tuple():
+    torch.manual_seed(0)
+    model = MaskedEncoder()
+    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2])
+    inp = {"input_ids": torch.randint(0, 20, (2, 5)), "attention_mask": mask}
+    stages = assert_matches_eager(model, inp)
+    assert [n for n, _ in stages] == ["stem", "layers.0", "layers.1", "layers.2", "head"]
+    h = stages[0][1](inp)
+    assert isinstance(h, tuple) and len(h) == 2 and h[1] is inp["attention_mask"]  # (activation, mask)
+    out = run_stages(stages, inp)
+    assert set(out) == {"logits", "pooled"}
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, y=None):
+        h = self.a(x) if y is None else self.a(x) + y
+        return self.c(self.b(h))
+
+
+@pytest.mark.parametrize("arity", [1, 2])
+def test_tuple_inputs_are_positional_arguments(arity):
+    torch.manual_seed(0)
+    x = tuple(torch.randn(3, 4) for _ in range(arity))
+    stages = assert_matches_eager(TwoInputs(), x)
+    assert [n for n, _ in stages] == ["a", "b", "c"]
+
+
+def test_parameters_and_buffers_are_shared_not_copied():
+    torch.manual_seed(0)
+    model = Scaled()
+    keys = list(model.state_dict())
+    attrs = set(vars(model))
+    x = torch.randn(4, 8)
+    stages = assert_matches_eager(model, x, granularity="finest")
+    assert list(model.state_dict()) == keys and set(vars(model)) == attrs  # the model is left as it was
+    own = {id(p) for p in model.parameters()}
+    staged = {id(p) for _, s in stages for p in s.parameters()}
+    assert staged == own
+    # An optimizer over the model's parameters drives the stages.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = run_stages(stages, x).detach()
+    opt.step()
+    after = run_stages(stages, x).detach()
+    assert not torch.equal(before, after) and torch.equal(after, model(x).detach())
+    # model.to() replaces buffers by new tensors: the stages follow (top-level and nested attributes alike).
+    model.double()
+    xd = x.double()
+    assert torch.equal(run_stages(stages, xd), model(xd))
+
+
+def test_granularity_finest_and_balanced():
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2)
+    idx = torch.randint(0, 50, (2, 16))
+    module = extract_stages(model, idx)
+    finest = extract_stages(model, idx, granularity="finest")
+    assert len(finest) > len(module) == 4
+    names = [n for n, _ in finest]
+    assert len(set(names)) == len(names)
+    for n in (1, 3):
+        stages = extract_stages(model, idx, granularity=n)
+        assert len(stages) == n
+        model.eval()
+        with torch.no_grad():
+            assert torch.equal(run_stages(stages, idx), model(idx))
+        model.train()
+    with pytest.warns(UserWarning, match="more stages"):
+        assert len(extract_stages(model, idx, granularity=len(finest) + 5)) == len(finest)
+
+
+def test_cached_stages_per_granularity():
+    model = Scaled()
+    assert cached_stages(model) is None
+    x = torch.randn(2, 8)
+    fine = extract_stages(model, x, granularity="finest")
+    default = extract_stages(model, x)
+    assert cached_stages(model) is default
+    assert cached_stages(model, "finest") is fine and cached_stages(model, None) is default
+    # The cache does not keep the model alive.
+    import gc
+    import weakref
+
+    ref = weakref.ref(model)
+    del model, fine, default
+    gc.collect()
+    assert ref() is None
+
+
+def test_sequentialize_falls_back_to_extraction():
+    from hchain_viz.runtime.stages import sequentialize
+
+    model = TinyGPT(layers=2)
+    idx = torch.randint(0, 50, (2, 16))
+    assert [n for n, _ in sequentialize(model, idx)] == ["stem", "h.0", "h.1", "head"]
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def test_data_dependent_control_flow_raises_with_advice():
+    with pytest.raises(NotSequentialError) as err:
+        extract_stages(Branchy(), torch.randn(2, 4))
+    text = str(err.value)
+    assert "torch.fx" in text and "torch.export" in text and "by hand" in text
+
+
+def test_no_cut_point_raises():
+    with pytest.raises(NotSequentialError, match="cut"):
+        extract_stages(nn.Linear(4, 4), torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("bad", ["coarse", 0, -2, 1.5, True])
+def test_bad_granularity(bad):
+    with pytest.raises(NotSequentialError, match="granularity"):
+        extract_stages(Scaled(), torch.randn(2, 8), granularity=bad)
+
+
+def test_not_a_module():
+    with pytest.raises(HChainError):
+        extract_stages(lambda x: x, torch.randn(2))
+
+
+# ---------------------------------------------------------------------------------------------- optional packages
+def _gpt2(layers: int = 3):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.slow
+def test_hf_gpt2_via_export():
+    model = _gpt2()
+    ids = torch.randint(0, 64, (2, 16))
+    for inp in ({"input_ids": ids}, {"input_ids": ids, "attention_mask": torch.ones(2, 16, dtype=torch.long)}):
+        for p in model.parameters():
+            p.grad = None
+        stages = assert_matches_eager(model, inp, loss=lambda out: out.logits.pow(2).mean(), seed=7)
+        assert [n for n, _ in stages] == ["stem", "h.0", "h.1", "h.2", "head"]
+        assert stages[0][1].method == "export"
+    assert type(run_stages(stages, inp)).__name__ == type(model(**inp)).__name__
+    # The export graph fixed dropout in train mode: running the stages in eval mode is refused, not silently wrong.
+    model.eval()
+    with pytest.raises(NotSequentialError, match="eval"):
+        run_stages(stages, inp)
+
+
+def _torchvision():
+    try:
+        import torchvision
+    except Exception as exc:  # PyPI's torchvision can fail at import beside a CPU-only torch build
+        pytest.skip(f"torchvision unavailable: {type(exc).__name__}: {exc}")
+    return torchvision
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, blocks", [("resnet18", 8), ("densenet121", 7)])
+def test_torchvision_models(name, blocks):
+    torchvision = _torchvision()
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)(weights=None, num_classes=10)
+    stages = assert_matches_eager(model, torch.randn(2, 3, 32, 32))
+    names = [n for n, _ in stages]
+    assert names[0] == "stem" and names[-1] == "head" and len(names) == blocks + 2
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def _train_step_matches(model, x, loss_fn, seed=11):
+    import hchain_viz as hcv
+    from hchain_viz.core.solver import least_budget, store_all_peak
+
+    chain = hcv.profile(model, x, loss_fn, warmup=0, repeats=1, progress=False)
+    budget = (least_budget(chain) + store_all_peak(chain)) // 2
+    schedule = hcv.solve(chain).schedule(budget)
+    assert schedule.n_recomputed > 0
+    twin = copy.deepcopy(model)
+    wrapped = hcv.wrap(model, schedule)
+    torch.manual_seed(seed)
+    loss_fn(wrapped(x)).backward()
+    torch.manual_seed(seed)
+    loss_fn(twin(**x) if isinstance(x, dict) else twin(x)).backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    return chain
+
+
+def test_profile_solve_wrap_train_step_tiny_gpt():
+    torch.manual_seed(0)
+    model = TinyGPT()
+    idx, target = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
+    chain = _train_step_matches(model, idx, lambda out: F.cross_entropy(out.reshape(-1, 50), target.reshape(-1)))
+    assert chain.names == ("stem", "h.0", "h.1", "h.2", "head")
+
+
+@pytest.mark.slow
+def test_profile_solve_wrap_train_step_hf_gpt2():
+    model = _gpt2()
+    inp = {"input_ids": torch.randint(0, 64, (2, 16)), "attention_mask": torch.ones(2, 16, dtype=torch.long)}
+    _train_step_matches(model, inp, lambda out: out.logits.pow(2).mean())

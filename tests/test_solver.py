@@ -1,0 +1,408 @@
+"""Tests of the optimal solver (hchain_viz/core/solver.py) against the oracles in tests/oracles.py and the simulator.
+
+- the brute force's state transition agrees with ``simulate`` (so the oracle is tied to the ground truth);
+- the DP's optimum equals the exhaustive search over every schedule of the model, exactly, on small integer chains; it is
+  never better than the search over all schedules, and a kept counter-example shows where that one is better;
+- the Numba kernel equals its plain-Python twin entry by entry (times bit for bit, choices, op lists);
+- every returned schedule simulates to the reported makespan within the budget, at any resolution, zero sizes and
+  zero times included; makespan, frontier and min_budget are consistent;
+- Griewank–Walther's revolve bound on homogeneous chains; store-all above its peak; errors.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import oracles
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hchain_viz as hcv
+from hchain_viz.core import solver
+from hchain_viz.core.schedule import Op, Schedule
+from hchain_viz.core.simulate import simulate
+from hchain_viz.core.strategies import store_all
+from hchain_viz.errors import HChainError, InfeasibleBudget
+
+
+def close(a: float, b: float, rel: float = 1e-9) -> bool:
+    return a == b or abs(a - b) <= rel * max(abs(a), abs(b), 1e-300)
+
+
+# ---------------------------------------------------------------------------------------------------- chain makers
+@st.composite
+def small_int_chains(draw, max_len: int = 5, max_size: int = 3, zeros: bool = True) -> hcv.Chain:
+    """Small integer chains; sizes and times may be 0 (edge cases), times may be fractional."""
+    L = draw(st.integers(1, max_len))
+    lo = 0 if zeros else 1
+    ints = lambda n, hi: draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))  # noqa: E731
+    x = ints(L + 1, max_size)
+    extra = draw(st.lists(st.integers(0, max_size), min_size=L, max_size=L))
+    times = st.one_of(st.integers(lo, 3).map(float), st.floats(0.0 if zeros else 0.1, 3.0))
+    return hcv.Chain(
+        fwd_time=draw(st.lists(times, min_size=L, max_size=L)),
+        bwd_time=draw(st.lists(times, min_size=L, max_size=L)),
+        x=x, xbar=[x[i + 1] + extra[i] for i in range(L)],
+        fwd_tmp=draw(st.lists(st.integers(0, 2), min_size=L, max_size=L)),
+        bwd_tmp=draw(st.lists(st.integers(0, 2), min_size=L, max_size=L)),
+    )
+
+
+def random_int_chain(seed: int, max_len: int = 5, zeros: bool = True) -> hcv.Chain:
+    rng = np.random.default_rng(seed)
+    L = int(rng.integers(1, max_len + 1))
+    lo = 0 if zeros else 1
+    x = rng.integers(lo, 4, L + 1)
+    return hcv.Chain(fwd_time=rng.integers(lo, 4, L) * 1.0, bwd_time=rng.integers(lo, 4, L) * 1.0, x=x,
+                     xbar=x[1:] + rng.integers(0, 4, L), fwd_tmp=rng.integers(0, 2, L), bwd_tmp=rng.integers(0, 2, L))
+
+
+def exact(chain: hcv.Chain) -> solver.Solution:
+    """Exact mode: one slot per byte (slots is capped at max_budget)."""
+    return hcv.solve(chain, slots=10**9)
+
+
+# ---------------------------------------------------------------------------------------------------- the oracle itself
+@settings(max_examples=40, deadline=None)
+@given(small_int_chains(), st.integers(0, 2**32 - 1))
+def test_brute_force_step_agrees_with_simulate(chain, seed):
+    """Random walks: the oracle accepts an op exactly when simulate does, with the same memory numbers."""
+    rng = np.random.default_rng(seed)
+    ops = oracles.all_ops(chain.length)
+    state, path, peaks, afters = oracles.initial_state(chain), [], [], []
+    for _ in range(60):
+        moves = [(op, oracles.step(chain, state, op)) for op in ops]
+        valid = [(op, nxt) for op, nxt in moves if nxt is not None]
+        invalid = [op for op, nxt in moves if nxt is None]
+        if invalid:  # simulate rejects what the oracle rejects, at that op
+            bad = invalid[rng.integers(len(invalid))]
+            with pytest.raises(hcv.InvalidSchedule) as err:
+                simulate(chain, Schedule(tuple(path) + (bad,)))
+            assert err.value.index == len(path)
+        if not valid:
+            break
+        progress = [(op, nxt) for op, nxt in valid if op.kind in ("B", "Loss")]
+        pool = progress if progress and rng.random() < 0.5 else valid  # lean towards finishing the step
+        op, (state, peak, _) = pool[rng.integers(len(pool))]
+        path.append(op)
+        peaks.append(peak)
+        afters.append(oracles.memory(state))
+        if oracles.is_final(chain, state):
+            trace = simulate(chain, Schedule(tuple(path)))
+            assert [e.mem_peak for e in trace.events] == peaks
+            assert [e.mem_after for e in trace.events] == afters
+            return
+        with pytest.raises(hcv.InvalidSchedule) as err:  # accepted so far: simulate only objects to the ending
+            simulate(chain, Schedule(tuple(path)))
+        assert err.value.index == len(path)
+
+
+# ---------------------------------------------------------------------------------------------------- optimality
+def _check_against_brute_force(chain: hcv.Chain) -> None:
+    sol = exact(chain)
+    assert sol.slots == sol.max_budget == max(sol.store_all_peak, 1)
+    searched = oracles.brute_frontier(chain)
+    everything = oracles.brute_frontier(chain, relaxed=True)
+    ours = sol.frontier()
+    assert ours[0][0] == searched[0][0]  # the same least feasible budget
+    # Equal at every budget (breakpoints may differ only where two makespans are within the tie margin, 1e-12).
+    for b in range(0, sol.store_all_peak + 2):
+        got = sol.makespan(b)
+        assert close(got, oracles.frontier_makespan(searched, b)), (str(chain.to_dict()), b, ours, searched)
+        assert oracles.frontier_makespan(everything, b) <= got * (1 + 1e-12)  # the relaxed grammar is a superset
+    # the oracle's own answers are valid schedules costing what it says
+    for b in {ours[0][0], (ours[0][0] + sol.store_all_peak) // 2}:
+        want, witness = oracles.brute_force(chain, b)
+        trace = simulate(chain, witness)
+        assert trace.peak_memory <= b and close(trace.makespan, want) and close(want, sol.makespan(b))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_int_chains())
+def test_optimum_equals_brute_force(chain):
+    _check_against_brute_force(chain)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_optimum_equals_brute_force_positive_sizes(seed):
+    _check_against_brute_force(random_int_chain(seed, max_len=5, zeros=False))
+
+
+def test_min_budget_is_exact_over_all_schedules():
+    for seed in range(60):
+        chain = random_int_chain(seed, max_len=5, zeros=seed % 2 == 0)
+        least = oracles.brute_min_budget(chain)
+        assert exact(chain).min_budget == least
+        assert solver.least_budget(chain) == least
+
+
+def test_non_persistent_schedules_are_outside_the_model():
+    """DESIGN §4 claimed the DP matches an exhaustive search over all op sequences; it does when checkpoints persist
+    (an x_k kept by Fck(k) is only freed by B(k)), which the simulator now requires. Without that rule this schedule
+    would keep x_1 (Fck1) across the inner sub-chain and later consume it (Fn1), beating the DP's 35 with 32."""
+    chain = hcv.Chain(fwd_time=[3, 1, 3, 2, 1], bwd_time=[2, 2, 1, 3, 3], x=[4, 3, 4, 4, 3, 1], xbar=[6, 7, 4, 4, 3],
+                      fwd_tmp=[1, 0, 0, 0, 1], bwd_tmp=[0, 1, 0, 0, 1])
+    budget = 23
+    sol = exact(chain)
+    assert sol.makespan(budget) == 35.0 == oracles.brute_force(chain, budget)[0]
+    assert simulate(chain, sol.schedule(budget)).makespan == 35.0
+    faster = Schedule.parse("Fck0 Fck1 Fn2 Fall3 Fall4 Loss B4 B3 Fn1 Fall2 B2 Fck0 Fall1 B1 Fall0 B0")
+    with pytest.raises(hcv.InvalidSchedule, match="checkpoint kept by an earlier Fck1") as err:
+        simulate(chain, faster)
+    assert err.value.index == 8
+    assert oracles.brute_force(chain, budget, relaxed=True)[0] == 32.0
+
+
+# ---------------------------------------------------------------------------------------------------- kernel vs twin
+def _check_twin(chain: hcv.Chain, max_budget: int, slots: int) -> None:
+    sol = hcv.solve(chain, max_budget=max_budget, slots=slots)
+    twin = oracles.twin_solve(chain, sol.max_budget, sol.slots, solver._TIE_RTOL)
+    L, S = chain.length, sol.slots
+    for (m, i, l), choice in twin.Cch.items():  # noqa: E741
+        assert sol._Cch[solver._row(L, i, l), m] == choice, (m, i, l)
+    for (m, i), choice in twin.Dch.items():
+        assert sol._Dch[i, m] == choice, (m, i)
+    np.testing.assert_array_equal(sol._D0, [twin.D[(m, 0)] for m in range(S + 1)])  # bit for bit
+    for s in range(S + 1):
+        budget = sol._slot_bytes(s)  # the least budget that rounds down to s slots
+        if math.isfinite(twin.makespan_at_slot(s)) and sol._best[s] == s and budget < sol.store_all_peak:
+            assert sol.schedule(budget).ops == oracles.twin_schedule(twin, L, s).ops
+
+
+@settings(max_examples=40, deadline=None)
+@given(small_int_chains(max_len=7, max_size=4), st.integers(5, 60))
+def test_kernel_equals_twin(chain, slots):
+    peak = solver.store_all_peak(chain)
+    _check_twin(chain, max(peak, 1), slots)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kernel_equals_twin_random_chains(seed):
+    """Longer real-valued chains cross the kernel's blocks of stages (8) several times."""
+    chain = hcv.Chain.random(19, seed=seed, zero_fraction=0.2 if seed % 2 else 0.0)
+    _check_twin(chain, solver.store_all_peak(chain), 40)
+
+
+# ---------------------------------------------------------------------------------------------------- consistency
+def _check_solution(chain: hcv.Chain, sol: solver.Solution, budgets) -> None:
+    prev = math.inf
+    for b in budgets:
+        t = sol.makespan(int(b))
+        assert t <= prev, "makespan must not increase with the budget"
+        prev = t
+        if not math.isfinite(t):
+            assert sol.min_budget is None or b < sol.min_budget
+            with pytest.raises(InfeasibleBudget):
+                sol.schedule(int(b))
+            continue
+        assert sol.min_budget is not None and b >= sol.min_budget
+        sched = sol.schedule(int(b))
+        trace = simulate(chain, sched)
+        assert trace.peak_memory <= b, (b, str(sched))
+        assert close(trace.makespan, t), (trace.makespan, t)
+        assert sched.meta["strategy"] == "optimal" and sched.meta["slots"] == sol.slots
+        assert sched.meta["budget"] == int(b) and close(sched.meta["predicted_makespan"], trace.makespan, 1e-12)
+    front = sol.frontier()
+    if sol.min_budget is None:
+        assert front == []
+        return
+    assert front[0][0] == sol.min_budget
+    for (b0, t0), (b1, t1) in zip(front, front[1:]):
+        assert b0 < b1 and t0 > t1
+    for b, t in front:
+        assert sol.makespan(b) == t
+        assert b == sol.min_budget or sol.makespan(b - 1) > t  # a breakpoint: one byte less is slower
+    for b in budgets:  # between breakpoints the makespan is the last breakpoint's
+        if b >= sol.min_budget:
+            assert sol.makespan(int(b)) == max((p for p in front if p[0] <= b), key=lambda p: p[0])[1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 14), st.integers(0, 10**6), st.sampled_from([0.0, 0.3, 0.6]), st.integers(3, 300))
+def test_schedules_simulate_to_reported_makespan(L, seed, zero_fraction, slots):
+    chain = hcv.Chain.random(L, seed=seed, zero_fraction=zero_fraction, scale=2**12)
+    sol = hcv.solve(chain, slots=slots)
+    peak = sol.store_all_peak
+    budgets = np.unique(np.linspace(0, peak * 1.05, 60).astype(np.int64))
+    _check_solution(chain, sol, budgets)
+
+
+@settings(max_examples=30, deadline=None)
+@given(small_int_chains(max_len=6))
+def test_exact_mode_every_budget(chain):
+    sol = exact(chain)
+    _check_solution(chain, sol, range(0, sol.store_all_peak + 3))
+
+
+def test_resolution_never_exceeds_budget_and_converges():
+    chain = hcv.Chain.random(12, seed=3)
+    fine = hcv.solve(chain, slots=4000)
+    for slots in (20, 100, 500):
+        coarse = hcv.solve(chain, slots=slots)
+        assert coarse.unit == pytest.approx(coarse.max_budget / slots)
+        for b in np.linspace(coarse.min_budget, coarse.store_all_peak, 25).astype(int):
+            assert coarse.makespan(int(b)) >= fine.makespan(int(b)) * (1 - 1e-12)  # rounding only loses
+            assert simulate(chain, coarse.schedule(int(b))).peak_memory <= b
+
+
+# ---------------------------------------------------------------------------------------------------- revolve bound
+def revolve_forwards(L: int, c: int) -> int:
+    """Griewank–Walther: least number of extra forward steps to reverse L steps with c snapshots."""
+    r = 1
+    while math.comb(c + r, c) < L:
+        r += 1
+    assert math.comb(c + r - 1, c) < L <= math.comb(c + r, c)
+    return r * L - math.comb(c + r, r - 1)
+
+
+def test_revolve_formula():
+    assert revolve_forwards(10, 2) == 20 and revolve_forwards(10, 3) == 15
+
+
+@pytest.mark.parametrize("L", [4, 10, 16, 25])
+@pytest.mark.parametrize("c", [1, 2, 3, 5])
+@pytest.mark.parametrize("b", [1.0, 2.5])
+def test_griewank_walther_homogeneous(L, c, b):
+    K = 1000
+    chain = hcv.Chain.homogeneous(L, fwd_time=1.0, bwd_time=b, x=1, xbar=K)
+    budget = K + 4 + c
+    sched = hcv.optimal_schedule(chain, budget, slots=budget)  # exact: one slot per byte
+    trace = simulate(chain, sched)
+    bound = revolve_forwards(L, c) * 1.0 + L * (1.0 + b)
+    assert trace.peak_memory <= budget
+    assert trace.makespan <= bound + 1e-9, (trace.makespan, bound)
+
+
+# ---------------------------------------------------------------------------------------------------- store-all, errors
+@pytest.mark.parametrize("zero_fraction", [0.0, 0.5])
+def test_store_all_at_and_above_its_peak(zero_fraction):
+    chain = hcv.Chain.random(9, seed=5, zero_fraction=zero_fraction)
+    sol = hcv.solve(chain)
+    peak = simulate(chain, store_all(chain)).peak_memory
+    assert sol.store_all_peak == peak == sol.max_budget
+    for b in (peak, peak + 1, 10 * peak):
+        sched = sol.schedule(b)
+        assert sched.ops == store_all(chain).ops and sched.n_recomputed == 0
+        assert sol.makespan(b) == chain.store_all_time == sum(chain.fwd_time) + sum(chain.bwd_time)
+        assert close(simulate(chain, sched).makespan, chain.store_all_time)
+    last = sol.frontier()[-1]  # with zero-cost stages store-all time may be reached below the peak
+    assert last[1] == chain.store_all_time and last[0] <= peak and (zero_fraction or last[0] == peak)
+
+
+def test_tie_rule_prefers_no_recomputation():
+    """At the store-all peak the table itself (not only the store-all shortcut of Solution) holds the all-chain
+    schedule, although recomputing the zero-cost stages would take the same time."""
+    chain = hcv.Chain(fwd_time=[0, 1, 0, 0, 2], bwd_time=[0, 1, 0, 2, 1], x=[1, 2, 1, 3, 1, 2], xbar=[2, 2, 3, 2, 2],
+                      fwd_tmp=[1, 0, 0, 1, 0])
+    sol = exact(chain)
+    out = np.empty((64, 2), np.int32)
+    sz = sol._sizes
+    n = solver._kernels()["rebuild"](sz["x"], sz["xbar"], sol._Cch, sol._Dch, sol.slots - int(sz["x"][0]), out)
+    ops = tuple(Op(solver._KINDS[k], int(i)) for k, i in out[:n])
+    assert ops == store_all(chain).ops
+
+
+def test_infeasible_budget_names_the_least_budget():
+    chain = hcv.Chain.random(8, seed=2)
+    sol = hcv.solve(chain)
+    least = sol.min_budget
+    assert math.isinf(sol.makespan(least - 1)) and math.isfinite(sol.makespan(least))
+    with pytest.raises(InfeasibleBudget) as err:
+        sol.schedule(least - 1)
+    assert err.value.min_budget == least and err.value.budget == least - 1
+    assert str(least) in str(err.value) and "MiB" in str(err.value)
+    assert sol.schedule(least) is not None
+    # solving at one budget: the least budget is the exact one
+    with pytest.raises(InfeasibleBudget) as err:
+        hcv.optimal_schedule(chain, solver.least_budget(chain) - 1)
+    assert err.value.min_budget == solver.least_budget(chain)
+    with pytest.raises(InfeasibleBudget):
+        hcv.optimal_schedule(chain, 0)
+
+
+def test_nothing_fits_below_max_budget():
+    chain = hcv.Chain.random(6, seed=4)
+    least = solver.least_budget(chain)
+    sol = hcv.solve(chain, max_budget=least // 2)
+    assert sol.min_budget is None and sol.frontier() == [] and math.isinf(sol.makespan(least))
+    with pytest.raises(InfeasibleBudget) as err:
+        sol.schedule(least)
+    assert err.value.min_budget == least and str(least) in str(err.value)
+
+
+def test_max_budget_text_and_cap():
+    chain = hcv.Chain.random(10, seed=7)
+    peak = solver.store_all_peak(chain)
+    sol = hcv.solve(chain, max_budget=f"{peak * 0.8 / 2**20:.4f}MiB", slots=300)
+    assert sol.max_budget == hcv.parse_bytes(f"{peak * 0.8 / 2**20:.4f}MiB") and sol.slots == 300
+    top = sol.schedule(sol.max_budget)
+    assert sol.schedule(10 * peak).ops == top.ops  # above max_budget: answered as max_budget
+    assert sol.makespan(10 * peak) == sol.makespan(sol.max_budget) == sol.makespan("1TiB")
+    assert simulate(chain, top).peak_memory <= sol.max_budget
+
+
+def test_optimal_schedule_matches_solve():
+    chain = hcv.Chain.random(15, seed=11)
+    sol = hcv.solve(chain, slots=400)
+    budget = (sol.min_budget + sol.store_all_peak) // 2
+    one = hcv.optimal_schedule(chain, budget, slots=400)
+    trace = simulate(chain, one)
+    assert trace.peak_memory <= budget and one.meta["strategy"] == "optimal"
+    # its own resolution is finer (max_budget = budget), so it is at least as good
+    assert trace.makespan <= sol.makespan(budget) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: hcv.solve("not a chain"),
+    lambda c: hcv.solve(c, slots=0),
+    lambda c: hcv.solve(c, slots=2.5),
+    lambda c: hcv.solve(c, slots=True),
+    lambda c: hcv.solve(c, max_budget="lots"),
+    lambda c: hcv.solve(c, max_budget=0),
+    lambda c: hcv.solve(c, max_budget=-5),
+    lambda c: hcv.solve(c).makespan("abc"),
+    lambda c: hcv.solve(c).schedule(-1),
+    lambda c: hcv.solve(c).schedule(None),
+    lambda c: hcv.optimal_schedule(c, "12 parsecs"),
+    lambda c: hcv.optimal_schedule([1, 2], 100),
+    lambda c: hcv.solve(hcv.Chain.random(300), slots=10**6),
+])
+def test_bad_arguments_raise_hchain_errors(call):
+    with pytest.raises(HChainError) as err:
+        call(hcv.Chain.random(4, seed=1))
+    assert len(str(err.value)) > 20  # says what to do
+
+
+def test_solution_is_read_only_and_prints_a_table():
+    chain = hcv.Chain.random(30, seed=1)
+    sol = hcv.solve(chain, slots=200)
+    with pytest.raises(AttributeError):
+        sol.max_budget = 5
+    text = repr(sol)
+    assert text.startswith("Solution: 30 stages") and "budget" in text and "makespan" in text
+    assert hcv.format_bytes(sol.min_budget) in text and "+0.0%" in text
+    assert len(text.splitlines()) <= 2 + 12
+    html = sol._repr_html_()
+    assert "<table>" in html and hcv.format_bytes(sol.store_all_peak) in html
+
+
+def test_rebuilt_schedule_meta_and_ops():
+    chain = hcv.Chain.random(40, seed=9)
+    sol = hcv.solve(chain)
+    budget = sol.min_budget + (sol.store_all_peak - sol.min_budget) // 3
+    sched = sol.schedule(budget)
+    assert set(sched.meta) >= {"strategy", "budget", "predicted_makespan", "slots"}
+    assert all(isinstance(op, Op) for op in sched.ops)
+    assert sum(op.kind == "B" for op in sched.ops) == 40 and sched.ops.count(Op("Loss", 40)) == 1
+    assert Schedule.from_json(sched.to_json()).ops == sched.ops
+
+
+def test_import_stays_light():
+    """``import hchain_viz`` must not load Numba: the kernels compile (or load from cache) on first solve."""
+    code = "import sys, hchain_viz; print('numba' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
