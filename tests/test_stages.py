@@ -253,3 +253,22 @@ def test_without_graph_extraction_the_error_says_what_to_do(monkeypatch):
 def test_bad_models(bad, match):
     with pytest.raises(NotSequentialError, match=match):
         sequentialize(bad)
+
+
+def test_traced_model_reuses_its_extracted_stages_without_a_sample():
+    class Residual(nn.Module):  # a custom forward(): only graph extraction can cut it
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = x + torch.relu(self.a(x))
+            return self.head(h + torch.relu(self.b(h)))
+
+    model = Residual()
+    with pytest.raises(NotSequentialError, match="sample input"):
+        sequentialize(model)
+    traced = sequentialize(model, torch.randn(4, 8))
+    again = sequentialize(model)  # e.g. wrap(model, schedule) after profile(model, x)
+    assert [n for n, _ in again] == [n for n, _ in traced]
+    assert all(m1 is m2 for (_, m1), (_, m2) in zip(again, traced))

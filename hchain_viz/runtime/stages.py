@@ -34,7 +34,7 @@ Stage = tuple[str, nn.Module]
 __all__ = ["sequentialize", "Stage", "fuse", "buffer_snapshot"]
 
 
-def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | None = None) -> list[Stage]:
+def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | int | None = None) -> list[Stage]:
     """The stages of ``model`` as a list of ``(name, module)`` pairs, in execution order.
 
     ``sample_input`` (optional) lets the structure be checked: the composed stages must reproduce ``model``'s
@@ -46,6 +46,12 @@ def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | No
     stages, kind = _structural_stages(model)
     if stages is None:
         if sample_input is None:
+            # A model profiled before (profile(model, x)) keeps its extracted stages: the same cut as the profile.
+            from .graph import cached_stages
+
+            cached = cached_stages(model) if granularity is None else cached_stages(model, granularity)
+            if cached is not None:
+                return cached
             raise NotSequentialError(
                 f"cannot split a {type(model).__name__} into a chain automatically: it is not an nn.Sequential, a "
                 f"list of modules, or a torchvision-style ResNet/VGG/DenseNet. Either pass the stages yourself, as "
