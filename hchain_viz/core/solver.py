@@ -474,9 +474,15 @@ class Solution:
                    f"give at least that")
         else:
             least = least_budget(self.chain)
-            msg = (f"no schedule fits in a budget of {budget} B ({_mib(budget)}): nothing fits up to max_budget = "
-                   f"{self.max_budget} B; the least feasible budget is {least} B ({_mib(least)}); solve again with "
-                   f"max_budget above it (a little more than it, or more slots, for the rounding to whole slots)")
+            if least <= budget:  # feasible in bytes, lost to rounding sizes up to whole slots
+                msg = (f"at this resolution ({self.slots} slots of {format_bytes(self.unit)}) nothing fits in "
+                       f"{budget} B ({_mib(budget)}), though the exact least feasible budget is {least} B "
+                       f"({_mib(least)}): sizes are rounded up to whole slots. Solve with more slots, or give a budget a "
+                       f"few slots above {least} B")
+            else:
+                msg = (f"no schedule fits in a budget of {budget} B ({_mib(budget)}); the least feasible budget is "
+                       f"{least} B ({_mib(least)}); solve again with max_budget above it (a little more, or more "
+                       f"slots, for the rounding to whole slots)")
         return InfeasibleBudget(msg, min_budget=least, budget=budget)
 
     def frontier(self) -> list[tuple[int, float]]:
