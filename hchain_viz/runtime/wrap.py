@@ -1,0 +1,564 @@
+"""The executor (DESIGN §5): ``wrap(model, schedule)`` returns a module that trains by the schedule.
+
+    wrapped = hcv.wrap(model, schedule)
+    out = wrapped(x); loss = loss_fn(out); loss.backward(); opt.step()   # an ordinary training loop
+
+The forward runs the schedule's ops before ``Loss``; the backward, inside a ``torch.autograd.Function``, runs the ops
+after it. What is kept between ops follows the memory model of DESIGN §3: ``Fck``/``Fn`` run a stage without
+autograd (keeping / dropping its input), ``Fall`` runs it recording autograd from a detached alias of its input (so
+the graph of one stage is x̄_{i+1}), ``B(i)`` back-propagates that graph and frees it with δ_{i+1} and the checkpoint
+x_i. Consecutive ``Fall``s whose backwards are adjacent share one graph and one backward call, exactly as eager
+PyTorch runs them (store-all costs no more than eager); everything else is freed no later than the model says.
+
+Guarantees (each tested in ``tests/test_wrap*.py``): outputs and gradients equal eager training bitwise on CPU; a
+recomputed stage sees the random numbers of its first run and the global RNG ends where eager's does; buffers
+(BatchNorm statistics) are updated once per stage per step; in-place first ops never corrupt a kept checkpoint;
+parameters get gradients when the input does not require grad; ``eval()`` and ``torch.no_grad()`` run the plain
+model; ``state_dict()`` has the plain model's keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from ..core.chain import Chain
+from ..core.schedule import Schedule
+from ..core.simulate import simulate
+from ..errors import HChainError, InvalidSchedule, NotSequentialError
+from .stages import sequentialize
+
+__all__ = ["wrap", "ScheduledModule"]
+
+_SPENT = object()  # bookkeeping placeholder: a δ or x̄ already consumed by the backward of its group
+_Op = tuple[str, int, int, bool]  # (kind, stage, role, joins the previous stage's graph)
+
+# Roles of a forward op within one step, computed once from the schedule.
+_ONLY = 0  # the stage runs once per step (or this is a first run whose stage is never replayed)
+_FIRST = 1  # first run of a stage that is replayed later: remember its RNG state and which buffers it updates
+_REPLAY = 2  # a recomputation: same RNG as the first run, buffers left as the first run left them
+
+
+def wrap(model: nn.Module, schedule: Schedule | str, *, preserve_rng_state: bool = True) -> ScheduledModule:
+    """An ``nn.Module`` that trains ``model`` by ``schedule`` (same results as eager, the schedule's memory).
+
+    ``schedule`` is a :class:`~hchain_viz.Schedule` (or its text, ``"Fck0 Fn1 Fall2 Loss B2 ..."``) for the chain
+    of stages ``hcv.sequentialize(model)`` finds: typically ``hcv.solve(hcv.profile(model, x)).schedule(budget)``
+    or a baseline from ``hcv.strategies``. ``preserve_rng_state`` (default True) replays recomputed stages with
+    the random numbers of their first run, as ``torch.utils.checkpoint`` does; turn it off only for stages that
+    draw no random numbers, to save the (small) cost of saving RNG states.
+
+    The returned module keeps ``model`` as a submodule but its ``state_dict()`` and ``load_state_dict()`` use the
+    plain model's keys, so checkpoints load either way. In ``eval()`` mode or under ``torch.no_grad()`` it simply
+    calls ``model``.
+    """
+    return ScheduledModule(model, schedule, preserve_rng_state=preserve_rng_state)
+
+
+class ScheduledModule(nn.Module):
+    """``model`` trained by ``schedule``; build it with :func:`wrap`.
+
+    Attributes: ``model`` (the plain model), ``schedule``, ``stages`` (the ``(name, module)`` chain, available once
+    known: at construction for structured models, else after the first training call).
+    """
+
+    def __init__(self, model: nn.Module, schedule: Schedule | str, *, preserve_rng_state: bool = True):
+        super().__init__()
+        if isinstance(model, ScheduledModule):
+            raise NotSequentialError("the model is already wrapped by a schedule; wrap its .model instead")
+        if not isinstance(model, nn.Module):
+            raise NotSequentialError(
+                f"wrap() needs an nn.Module, got {type(model).__name__}; put a list of stages into an "
+                f"nn.Sequential first"
+            )
+        self.model = model
+        self.schedule = _as_schedule(schedule)
+        self.preserve_rng_state = bool(preserve_rng_state)
+        self.length = _check_grammar(self.schedule)
+        self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length)
+        self.stages: list[tuple[str, nn.Module]] | None = None
+        self._stage_modules: list[nn.Module] = []
+        self._stage_buffers: list[list[tuple[nn.Module, str]]] = []
+        self._stats_buffers: list[list[tuple[nn.Module, str]]] = []
+        # Learned across steps: does stage i write into its input (None: not seen yet)? Which of its input tensors
+        # need a gradient (None: assume every floating-point one)?
+        self._mutates: list[bool | None] = [None] * self.length
+        self._grad_mask: list[list[bool] | None] = [None] * (self.length + 1)
+        try:
+            stages = sequentialize(model)
+        except NotSequentialError:
+            stages = None  # a custom forward(): the stages are traced from the first training input
+        if stages is not None:
+            if len(stages) < self.length:
+                raise _length_mismatch(self.schedule, self.length, stages, model)
+            if len(stages) == self.length:
+                self._set_stages(stages)
+        # Checkpoints carry the plain model's keys (no "model." prefix), in both directions, nested or not.
+        self.register_state_dict_post_hook(_strip_model_prefix)
+        self.register_load_state_dict_pre_hook(_add_model_prefix)
+
+    # ------------------------------------------------------------------ stages
+    def _set_stages(self, stages: list[tuple[str, nn.Module]]) -> None:
+        # Plain list attributes: the stage modules are model's own submodules (or parameter-free wrappers of them),
+        # so registering them again would duplicate state_dict keys.
+        self.stages = list(stages)
+        self._stage_modules = [m for _, m in stages]
+        self._stage_buffers = [
+            [(mod, name) for mod in m.modules() for name, b in mod._buffers.items() if b is not None]
+            for m in self._stage_modules
+        ]
+        # Normalisation layers update their running statistics inside the kernel, without bumping the version
+        # counter that reveals other in-place buffer updates: name them up front.
+        self._stats_buffers = [
+            [(mod, name) for mod in m.modules() if isinstance(mod, _NormBase) and mod.track_running_stats
+             for name in ("running_mean", "running_var", "num_batches_tracked") if mod._buffers.get(name) is not None]
+            for m in self._stage_modules
+        ]
+
+    def _ensure_stages(self, x: Any) -> None:
+        if self.stages is not None:
+            return
+        stages = sequentialize(self.model, x)
+        if len(stages) != self.length:
+            raise _length_mismatch(self.schedule, self.length, stages, self.model)
+        self._set_stages(stages)
+
+    # ------------------------------------------------------------------ running
+    def forward(self, x: Any) -> Any:
+        """Train by the schedule; in eval mode or without grad, run the plain model."""
+        if not (self.training and torch.is_grad_enabled()):
+            return self.model(x)
+        self._ensure_stages(x)
+        step = _Step(self, x)
+        flat, _ = _flatten(x)
+        # The dummy makes autograd call our backward even when no input requires grad (parameters still need it).
+        dummy = torch.empty(0, requires_grad=True)
+        token = _RunForward.apply(step, dummy, *flat)
+        outputs = _Output.apply(step, token)
+        return _unflatten(step.out_spec, list(outputs))
+
+    def train(self, mode: bool = True) -> ScheduledModule:
+        super().train(mode)
+        for m in self._stage_modules:  # wrappers made by sequentialize (not registered) follow the model's mode
+            m.training = mode
+        return self
+
+    def extra_repr(self) -> str:
+        name = self.schedule.meta.get("strategy", "schedule")
+        return f"schedule={name}: {len(self.schedule)} ops, {self.schedule.n_recomputed} recomputed forwards"
+
+
+# ---------------------------------------------------------------------------------------------- one step
+class _Step:
+    """What one training step holds, named as in the memory model (DESIGN §3).
+
+    ``x[i]``: plain activations (x_0 and checkpoints); ``xbar[i]``: (input leaves, output) of ``Fall(i)``, whose
+    autograd graph is x̄_{i+1}; ``delta[i]``: δ_i as a list aligned with the tensors of x_i.
+    """
+
+    def __init__(self, module: ScheduledModule, x0: Any):
+        self.m = module
+        self.L = module.length
+        self.x: dict[int, Any] = {0: x0}
+        self.xbar: dict[int, tuple[list[torch.Tensor | None], Any]] = {}
+        self.delta: dict[int, list[torch.Tensor | None]] = {}
+        self.rng: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.updated_buffers: dict[int, list[tuple[nn.Module, str]]] = {}
+        self.out: Any = None
+        self.out_spec: Any = None
+        self.group_delta: list[torch.Tensor | None] = []  # δ_k of the group being back-propagated
+        self.devices = sorted({t.device.index or 0 for t in _flatten(x0)[0] if t.device.type == "cuda"})
+        self.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+
+    # ------------------------------------------------------------------ phases
+    def run_forward(self) -> None:
+        for kind, i, role, joined in self.m._forward_ops:
+            self._forward_op(kind, i, role, joined, in_backward=False)
+
+    def run_backward(self) -> list[torch.Tensor | None]:
+        if self.L not in self.delta:
+            raise HChainError("the wrapped model's backward ran twice for one forward; call the model again first")
+        for kind, i, role, joined in self.m._backward_ops:
+            if kind == "B":
+                self._backward_op(i)
+            else:
+                self._forward_op(kind, i, role, joined, in_backward=True)
+        return self.delta.pop(0)
+
+    def take_output(self) -> list[torch.Tensor]:
+        """The output x_L for the caller (detached aliases: the caller holds it, we keep no extra reference)."""
+        out = self.out if self.out is not None else self.xbar[self.L - 1][1]
+        self.out = None
+        flat, self.out_spec = _flatten(out)
+        return [t.detach() for t in flat]
+
+    # ------------------------------------------------------------------ ops
+    def _input(self, i: int) -> Any:
+        """x_i: a plain activation, or the output inside x̄_i (what Fall(i-1) left)."""
+        return self.x[i] if i in self.x else self.xbar[i - 1][1]
+
+    def _forward_op(self, kind: str, i: int, role: int, joined: bool, *, in_backward: bool) -> None:
+        m = self.m
+        stage = m._stage_modules[i]
+        x_in = self._input(i)
+        flat, spec = _flatten(x_in)
+        if joined:
+            # Fall(i) on the output of Fall(i-1), and B(i-1) will directly follow B(i): stage i extends the graph
+            # of stage i-1 (no detached input), and one autograd backward serves both, as in eager mode.
+            versions = [t._version for t in flat]
+            with self._mode(grad=True, in_backward=in_backward):
+                out = self._call(stage, x_in, i, role)
+            self._learn_mutation(i, flat, versions)
+            self.xbar[i] = (None, out)
+        elif kind == "Fall":
+            leaves = [self._leaf(t, i, k) for k, t in enumerate(flat)]
+            # An in-place first op on a leaf that requires grad would raise; an alias node in front makes it legal.
+            alias = m._mutates[i] is not False
+            versions = [t._version for t in leaves]
+            with self._mode(grad=True, in_backward=in_backward):
+                feed = _unflatten(spec, [_Alias.apply(t) if alias and t.requires_grad else t for t in leaves])
+                out = self._call(stage, feed, i, role)
+            del feed
+            self._learn_mutation(i, leaves, versions)
+            self.xbar[i] = (leaves, out)
+        if kind == "Fall":
+            m._grad_mask[i + 1] = [t.requires_grad for t in _flatten(out)[0]]
+        else:
+            # NOTE [in-place inputs]: Fck keeps x_i for a later forward of stage i. A stage seen writing into its
+            # input runs on a copy, so the kept checkpoint is never corrupted; so does a stage not seen yet (the
+            # first step only: what each stage does is learned from its input's version counter).
+            protect = kind == "Fck" and m._mutates[i] is not False
+            feed = _unflatten(spec, [t.detach().clone() for t in flat]) if protect else x_in
+            fed = _flatten(feed)[0] if protect else flat
+            versions = [t._version for t in fed]
+            with self._mode(grad=False, in_backward=in_backward):
+                out = self._call(stage, feed, i, role)
+            self._learn_mutation(i, fed, versions)
+            del feed, fed
+            if kind == "Fn":
+                # NOTE [memory model]: Fn frees its input x_i right after the op (DESIGN §3).
+                del self.x[i]
+            if i + 1 == self.L:
+                self.out = out
+            else:
+                self.x[i + 1] = out
+
+    def _backward_op(self, i: int) -> None:
+        # NOTE [memory model]: B(i) frees δ_{i+1}, x̄_{i+1} (the graph and output of Fall(i)) and, when x_i is a plain
+        # checkpoint, x_i itself (DESIGN §3). We drop every reference to δ_{i+1} and to the outputs before running
+        # the backward (a _Root node hands δ_{i+1} over), so autograd frees them as soon as it is done with them, as
+        # in eager mode; the graph goes with them, and the checkpoint x_i right after. Stages k..i joined into one
+        # graph are back-propagated at once by B(i); B(i-1) .. B(k) then only settle the bookkeeping, in order.
+        k = self.m._group_start[i]
+        delta_next = self.delta.pop(i + 1)
+        if delta_next is not _SPENT:  # B(i) heads its group
+            leaves, out = self.xbar[k][0], self.xbar[i][1]
+            for j in range(k, i + 1):
+                self.xbar[j] = _SPENT
+            pairs = [(o, g) for o, g in zip(_flatten(out)[0], delta_next) if g is not None and o.requires_grad]
+            del out, delta_next
+            if pairs:
+                box = [tuple(g for _, g in pairs)]
+                with torch.enable_grad():
+                    root = _Root.apply(box, *[o for o, _ in pairs])
+                del pairs
+                torch.autograd.backward(root, torch.empty(0))
+                del root
+            self.group_delta = [t.grad if t is not None and t.requires_grad else None for t in leaves]
+            del leaves
+        del self.xbar[i]
+        self.delta[i] = self.group_delta if i == k else _SPENT
+        self.x.pop(i, None)
+
+    def _leaf(self, t: torch.Tensor, i: int, k: int) -> torch.Tensor:
+        """A detached alias of input tensor k of stage i, requiring grad when eager autograd would track it."""
+        leaf = t.detach()
+        if t.requires_grad:
+            need = True
+        elif i == 0 or not (t.is_floating_point() or t.is_complex()):
+            need = False  # x_0 as the caller gave it; integer tensors carry no gradient
+        else:
+            mask = self.m._grad_mask[i]
+            need = mask[k] if mask is not None and k < len(mask) else True
+        return leaf.requires_grad_() if need else leaf
+
+    def _learn_mutation(self, i: int, inputs: list[torch.Tensor], versions: list[int]) -> None:
+        wrote = any(t._version != v for t, v in zip(inputs, versions))
+        if wrote or self.m._mutates[i] is None:
+            self.m._mutates[i] = wrote
+
+    def _call(self, stage: nn.Module, feed: Any, i: int, role: int) -> Any:
+        if role == _ONLY:
+            return stage(feed)
+        if role == _FIRST:
+            if self.m.preserve_rng_state:
+                self.rng[i] = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
+            buffers = self.m._stage_buffers[i]
+            before = [mod._buffers[name] for mod, name in buffers]
+            versions = [b._version for b in before]
+            out = stage(feed)
+            updated = [(mod, name) for (mod, name), b, v in zip(buffers, before, versions)
+                       if mod._buffers[name] is not b or b._version != v]
+            self.updated_buffers[i] = list(dict.fromkeys(updated + self.m._stats_buffers[i]))
+            return out
+        with self._replaying(i):
+            return stage(feed)
+
+    @contextlib.contextmanager
+    def _replaying(self, i: int) -> Iterator[None]:
+        """A recomputation: buffers it updates are swapped for copies (discarded after: eager updates them once),
+        and the RNG is forked and set to the state before the first run (the global RNG is left untouched)."""
+        swapped = []
+        try:
+            for mod, name in self.updated_buffers.get(i, ()):
+                original = mod._buffers[name]
+                mod._buffers[name] = original.clone()
+                swapped.append((mod, name, original))
+            if i in self.rng:
+                with torch.random.fork_rng(devices=self.devices):
+                    cpu, cuda = self.rng[i]
+                    torch.set_rng_state(cpu)
+                    for d, state in zip(self.devices, cuda):
+                        torch.cuda.set_rng_state(state, d)
+                    yield
+            else:
+                yield
+        finally:
+            for mod, name, original in swapped:
+                mod._buffers[name] = original
+
+    def _mode(self, *, grad: bool, in_backward: bool) -> contextlib.AbstractContextManager:
+        """Grad mode of the op, and the caller's autocast: re-entered for recomputations during the backward; its
+        weight cache bypassed for no-grad runs (older PyTorch caches casts made without autograd, which would cut
+        the weights' gradients in a later recording run)."""
+        if not in_backward:  # inside _RunForward.forward: grad is off, the caller's autocast is on
+            if grad:
+                return torch.enable_grad()
+            if self.autocast and torch.is_autocast_cache_enabled():
+                return _autocast_cache_off()
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
+        for device, dtype in self.autocast:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=self.autocast_cache and grad))
+        return stack
+
+
+@contextlib.contextmanager
+def _autocast_cache_off() -> Iterator[None]:
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(True)
+
+
+# ---------------------------------------------------------------------------------------------- autograd glue
+class _RunForward(torch.autograd.Function):
+    """Runs the ops before ``Loss`` in forward and the ops after it in backward; returns an empty token.
+
+    The output goes through :class:`_Output` so that δ_L is handed over and released by B(L-1): arguments of the
+    backward that runs the whole schedule stay referenced by autograd until it returns.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, step: _Step, dummy: torch.Tensor, *x0: torch.Tensor) -> torch.Tensor:
+        step.run_forward()
+        ctx.step = step
+        return torch.empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, _token_grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        step, ctx.step = ctx.step, None
+        if step is None:
+            raise HChainError("the wrapped model's backward ran twice for one forward (retain_graph is not "
+                              "supported); call the model again for another backward")
+        return (None, None, *step.run_backward())
+
+
+class _Output(torch.autograd.Function):
+    """Returns x_L to the caller; its backward stores δ_L in the step for B(L-1)."""
+
+    @staticmethod
+    def forward(ctx: Any, step: _Step, token: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.step = step
+        outs = step.take_output()
+        frozen = [t for t in outs if not (t.is_floating_point() or t.is_complex())]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, torch.Tensor]:
+        step, ctx.step = ctx.step, None
+        if step is not None:
+            step.delta[step.L] = list(grads)
+        return None, torch.empty(0)
+
+
+class _Root(torch.autograd.Function):
+    """The root of B(i): an empty tensor whose backward hands δ_{i+1} (kept only in ``box``) to the stage outputs."""
+
+    @staticmethod
+    def forward(ctx: Any, box: list, *outs: torch.Tensor) -> torch.Tensor:
+        ctx.box = box
+        return torch.empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = ctx.box.pop()
+        ctx.box = None
+        return (None, *grads)
+
+
+class _Alias(torch.autograd.Function):
+    """Identity with its own autograd node: a non-leaf alias of a leaf, which in-place ops may overwrite."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+# ---------------------------------------------------------------------------------------------- schedule checks
+def _as_schedule(schedule: Any) -> Schedule:
+    if isinstance(schedule, Schedule):
+        return schedule
+    if isinstance(schedule, str):
+        return Schedule.parse(schedule)
+    raise InvalidSchedule(f"wrap() needs a Schedule (or its text like 'Fall0 Loss B0'), got {type(schedule).__name__}")
+
+
+def _check_grammar(schedule: Schedule) -> int:
+    """The schedule's stage count L (its Loss op), after checking its grammar on a dummy chain of that length."""
+    losses = [op.stage for op in schedule.ops if op.kind == "Loss"]
+    if len(losses) != 1:
+        raise InvalidSchedule(f"a schedule has exactly one Loss op; this one has {len(losses)} ({schedule!r})")
+    L = losses[0]
+    if L < 1:
+        raise InvalidSchedule("the schedule has no forward op before its Loss; it is for a chain of no stages")
+    simulate(Chain.homogeneous(L), schedule)  # raises InvalidSchedule naming the first bad op
+    return L
+
+
+def _length_mismatch(schedule: Schedule, L: int, stages: list[tuple[str, nn.Module]], model: nn.Module) -> HChainError:
+    names = ", ".join(n for n, _ in stages[:8]) + (", ..." if len(stages) > 8 else "")
+    return InvalidSchedule(
+        f"the schedule is for a chain of {L} stages but {type(model).__name__} has {len(stages)} stages ({names}); "
+        f"build the schedule from a chain profiled on this model (hcv.profile(model, x)) or from a chain of "
+        f"length {len(stages)}"
+    )
+
+
+def _compile(schedule: Schedule, L: int) -> tuple[list[_Op], list[_Op], list[int]]:
+    """Split the ops at Loss; give each forward its role (_ONLY, _FIRST, _REPLAY) and say whether a Fall joins the
+    graph of the stage before it. Also, per stage i, the first stage k of the group B(i) belongs to.
+
+    Fall(i) joins stage i-1's graph when it reads x_i from inside x̄_i (not from a plain checkpoint) and B(i-1)
+    comes right after B(i): then nothing needs δ_i on its own, and one backward runs both stages.
+    """
+    runs: dict[int, int] = {}
+    for op in schedule.ops:
+        if op.is_forward:
+            runs[op.stage] = runs.get(op.stage, 0) + 1
+    b_pos = {op.stage: n for n, op in enumerate(schedule.ops) if op.kind == "B"}
+    events = simulate(Chain.homogeneous(L), schedule).events
+    seen: set[int] = set()
+    ops: list[_Op] = []
+    joined_stages: set[int] = set()
+    for n, op in enumerate(schedule.ops):
+        role, joined = _ONLY, False
+        if op.is_forward:
+            role = _REPLAY if op.stage in seen else (_FIRST if runs[op.stage] > 1 else _ONLY)
+            seen.add(op.stage)
+        if op.kind == "Fall" and op.stage > 0:
+            plain = n > 0 and ("x", op.stage) in {(it.kind, it.stage) for it in events[n - 1].resident}
+            joined = not plain and b_pos[op.stage - 1] == b_pos[op.stage] + 1
+            if joined:
+                joined_stages.add(op.stage)
+        ops.append((op.kind, op.stage, role, joined))
+    group_start = list(range(L))
+    for i in range(1, L):
+        if i in joined_stages:
+            group_start[i] = group_start[i - 1]
+    k = next(n for n, op in enumerate(ops) if op[0] == "Loss")
+    return ops[:k], ops[k + 1:], group_start
+
+
+# ---------------------------------------------------------------------------------------------- state_dict keys
+_PREFIX = "model."
+
+
+def _strip_model_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    inner = prefix + _PREFIX
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+    for key in [k for k in getattr(state_dict, "_metadata", {}) if k.startswith(inner) or k == prefix + "model"]:
+        tail = key[len(inner):] if key.startswith(inner) else ""
+        state_dict._metadata[prefix + tail if tail else prefix.rstrip(".")] = state_dict._metadata.pop(key)
+
+
+def _add_model_prefix(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    # Every key under this module belongs to the plain model (the wrapper has no state of its own).
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[prefix + _PREFIX + key[len(prefix):]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)  # per-module versions (BatchNorm reads its own)
+    if metadata is not None:
+        own = prefix[:-1]
+        for key in [k for k in metadata if k == own or k.startswith(prefix)]:
+            metadata.setdefault(prefix + "model" + (f".{key[len(prefix):]}" if key != own else ""), metadata[key])
+
+
+# ---------------------------------------------------------------------------------------------- structures
+_TENSOR = ("tensor",)  # spec of a bare tensor; others: ("seq", type, children), ("map", type, keys, children),
+# ("const", value) for anything that is not a tensor (passed through unchanged)
+
+
+def _flatten(obj: Any) -> tuple[list[torch.Tensor], tuple]:
+    """The tensors inside nested tuples / lists / dicts, and a spec to rebuild the structure around new tensors."""
+    if isinstance(obj, torch.Tensor):
+        return [obj], _TENSOR
+    tensors: list[torch.Tensor] = []
+    return tensors, _spec(obj, tensors)
+
+
+def _spec(obj: Any, tensors: list[torch.Tensor]) -> tuple:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _TENSOR
+    if isinstance(obj, (tuple, list)):
+        return ("seq", type(obj), [_spec(o, tensors) for o in obj])
+    if isinstance(obj, Mapping):
+        return ("map", type(obj), list(obj.keys()), [_spec(v, tensors) for v in obj.values()])
+    return ("const", obj)
+
+
+def _unflatten(spec: tuple, tensors: list[torch.Tensor]) -> Any:
+    if spec is _TENSOR:
+        return tensors[0]
+    return _build(spec, iter(tensors))
+
+
+def _build(spec: tuple, it: Iterator[torch.Tensor]) -> Any:
+    tag = spec[0]
+    if tag == "tensor":
+        return next(it)
+    if tag == "const":
+        return spec[1]
+    if tag == "seq":
+        kind, items = spec[1], [_build(c, it) for c in spec[2]]
+        if kind is tuple or kind is list:
+            return kind(items)
+        return kind(*items) if hasattr(kind, "_fields") else kind(items)  # a namedtuple, or a tuple/list subclass
+    kind, keys, values = spec[1], spec[2], [_build(c, it) for c in spec[3]]
+    return kind(zip(keys, values))
