@@ -1,8 +1,9 @@
 """Tests of the optimal solver (hchain_viz/core/solver.py) against the oracles in tests/oracles.py and the simulator.
 
 - the brute force's state transition agrees with ``simulate`` (so the oracle is tied to the ground truth);
-- the DP's optimum equals the exhaustive search over every schedule of the model, exactly, on small integer chains; it is
-  never better than the search over all schedules, and a kept counter-example shows where that one is better;
+- the DP's optimum equals the exhaustive search over every schedule of the model, exactly, on small integer chains;
+  it is never better than a search beyond the model (kept checkpoints dropped early), and a kept counter-example
+  shows where that one is better;
 - the Numba kernel equals its plain-Python twin entry by entry (times bit for bit, choices, op lists);
 - every returned schedule simulates to the reported makespan within the budget, at any resolution, zero sizes and
   zero times included; makespan, frontier and min_budget are consistent;

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -115,7 +116,7 @@ class Chain:
         return text
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Chain":
+    def from_dict(cls, d: dict[str, Any]) -> Chain:
         if not isinstance(d, dict) or d.get("format") != CHAIN_FORMAT:
             raise InvalidChain(f"not a chain: expected a JSON object with \"format\": \"{CHAIN_FORMAT}\"")
         missing = [k for k in ("fwd_time", "bwd_time", "x", "xbar") if k not in d]
@@ -127,7 +128,7 @@ class Chain:
         )
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> "Chain":
+    def from_json(cls, text_or_path: str) -> Chain:
         """Read a chain from JSON text or from a file path."""
         text = text_or_path
         if not text.lstrip().startswith("{"):
@@ -147,7 +148,7 @@ class Chain:
     def homogeneous(
         cls, length: int, *, fwd_time: float = 1.0, bwd_time: float = 2.0, x: int = 1, xbar: int | None = None,
         fwd_tmp: int = 0, bwd_tmp: int = 0,
-    ) -> "Chain":
+    ) -> Chain:
         """``length`` identical stages (the setting of Griewank–Walther's revolve). ``xbar`` defaults to ``2 * x``."""
         if not isinstance(length, (int, np.integer)) or length < 1:
             raise InvalidChain(f"length must be a positive integer, got {length!r}")
@@ -161,7 +162,7 @@ class Chain:
     def random(
         cls, length: int, *, seed: int | None = 0, scale: int = 2**20, zero_fraction: float = 0.0,
         transients: bool = True,
-    ) -> "Chain":
+    ) -> Chain:
         """A heterogeneous random chain: times and sizes vary several-fold (log-uniform over ~10x).
 
         ``scale`` is the typical activation size in bytes; ``zero_fraction`` makes that share of times and sizes

@@ -8,8 +8,9 @@ executor runs it, one set of figures draws it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import InvalidSchedule
 
@@ -54,12 +55,13 @@ class Schedule:
                         raise ValueError
                     stage = int(stage)
                 except (TypeError, ValueError, OverflowError):
-                    raise InvalidSchedule(f"op #{k} ({kind}) has stage {stage!r}; stages are integers >= 0", k) from None
+                    raise InvalidSchedule(
+                        f"op #{k} ({kind}) has stage {stage!r}; stages are integers >= 0", k) from None
             ops.append(Op(kind, stage))
         object.__setattr__(self, "ops", tuple(ops))
 
     @classmethod
-    def parse(cls, text: str, **meta: Any) -> "Schedule":
+    def parse(cls, text: str, **meta: Any) -> Schedule:
         """Read the ``__str__`` form back: ``"Fck0 Fn1 Fall2 Loss B2"``; ``Loss`` may carry its stage (``Loss3``)."""
         ops = []
         loss_at = None
@@ -113,7 +115,7 @@ class Schedule:
         return text
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Schedule":
+    def from_dict(cls, d: dict[str, Any]) -> Schedule:
         if not isinstance(d, dict) or d.get("format") != SCHEDULE_FORMAT or "ops" not in d:
             raise InvalidSchedule(f"not a schedule: expected a JSON object with \"format\": \"{SCHEDULE_FORMAT}\" "
                                   "and \"ops\"")
@@ -123,7 +125,7 @@ class Schedule:
         return cls(tuple(d["ops"]), meta)  # each op's shape is checked in __post_init__
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> "Schedule":
+    def from_json(cls, text_or_path: str) -> Schedule:
         """Read a schedule from JSON text or a file path."""
         text = text_or_path
         if not text.lstrip().startswith("{"):

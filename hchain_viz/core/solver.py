@@ -477,8 +477,8 @@ class Solution:
             if least <= budget:  # feasible in bytes, lost to rounding sizes up to whole slots
                 msg = (f"at this resolution ({self.slots} slots of {format_bytes(self.unit)}) nothing fits in "
                        f"{budget} B ({_mib(budget)}), though the exact least feasible budget is {least} B "
-                       f"({_mib(least)}): sizes are rounded up to whole slots. Solve with more slots, or give a budget a "
-                       f"few slots above {least} B")
+                       f"({_mib(least)}): sizes are rounded up to whole slots. Solve with more slots, or give a "
+                       f"budget a few slots above {least} B")
             else:
                 msg = (f"no schedule fits in a budget of {budget} B ({_mib(budget)}); the least feasible budget is "
                        f"{least} B ({_mib(least)}); solve again with max_budget above it (a little more, or more "

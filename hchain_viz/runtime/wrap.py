@@ -208,46 +208,47 @@ class _Step:
         stage = m._stage_modules[i]
         x_in = self._input(i)
         flat, spec = _flatten(x_in)
-        if joined:
-            # Fall(i) on the output of Fall(i-1), and B(i-1) will directly follow B(i): stage i extends the graph
-            # of stage i-1 (no detached input), and one autograd backward serves both, as in eager mode.
-            versions = [t._version for t in flat]
-            with self._mode(grad=True, in_backward=in_backward):
-                out = self._call(stage, x_in, i, role)
-            self._learn_mutation(i, flat, versions)
-            self.xbar[i] = (None, out)
-        elif kind == "Fall":
-            leaves = [self._leaf(t, i, k) for k, t in enumerate(flat)]
-            # An in-place first op on a leaf that requires grad would raise; an alias node in front makes it legal.
-            alias = m._mutates[i] is not False
-            versions = [t._version for t in leaves]
-            with self._mode(grad=True, in_backward=in_backward):
-                feed = _unflatten(spec, [_Alias.apply(t) if alias and t.requires_grad else t for t in leaves])
-                out = self._call(stage, feed, i, role)
-            del feed
-            self._learn_mutation(i, leaves, versions)
-            self.xbar[i] = (leaves, out)
         if kind == "Fall":
-            m._grad_mask[i + 1] = [t.requires_grad for t in _flatten(out)[0]]
-        else:
-            # NOTE [in-place inputs]: Fck keeps x_i for a later forward of stage i. A stage seen writing into its
-            # input runs on a copy, so the kept checkpoint is never corrupted; so does a stage not seen yet (the
-            # first step only: what each stage does is learned from its input's version counter).
-            protect = kind == "Fck" and m._mutates[i] is not False
-            feed = _unflatten(spec, [t.detach().clone() for t in flat]) if protect else x_in
-            fed = _flatten(feed)[0] if protect else flat
-            versions = [t._version for t in fed]
-            with self._mode(grad=False, in_backward=in_backward):
-                out = self._call(stage, feed, i, role)
-            self._learn_mutation(i, fed, versions)
-            del feed, fed
-            if kind == "Fn":
-                # NOTE [memory model]: Fn frees its input x_i right after the op (DESIGN §3).
-                del self.x[i]
-            if i + 1 == self.L:
-                self.out = out
+            if joined:
+                # Fall(i) on the output of Fall(i-1), and B(i-1) will directly follow B(i): stage i extends the
+                # graph of stage i-1 (no detached input), and one autograd backward serves both, as in eager mode.
+                versions = [t._version for t in flat]
+                with self._mode(grad=True, in_backward=in_backward):
+                    out = self._call(stage, x_in, i, role)
+                self._learn_mutation(i, flat, versions)
+                self.xbar[i] = (None, out)
             else:
-                self.x[i + 1] = out
+                leaves = [self._leaf(t, i, k) for k, t in enumerate(flat)]
+                # An in-place first op on a leaf that requires grad would raise; an alias node in front makes it
+                # legal (and is dropped once the stage is seen not to write into its input).
+                alias = m._mutates[i] is not False
+                versions = [t._version for t in leaves]
+                with self._mode(grad=True, in_backward=in_backward):
+                    feed = _unflatten(spec, [_Alias.apply(t) if alias and t.requires_grad else t for t in leaves])
+                    out = self._call(stage, feed, i, role)
+                del feed
+                self._learn_mutation(i, leaves, versions)
+                self.xbar[i] = (leaves, out)
+            m._grad_mask[i + 1] = [t.requires_grad for t in _flatten(out)[0]]
+            return
+        # NOTE [in-place inputs]: Fck keeps x_i for a later forward of stage i. A stage seen writing into its input
+        # runs on a copy, so the kept checkpoint is never corrupted; so does a stage not seen yet (the first step
+        # only: what each stage does is learned from its input's version counter).
+        protect = kind == "Fck" and m._mutates[i] is not False
+        feed = _unflatten(spec, [t.detach().clone() for t in flat]) if protect else x_in
+        fed = _flatten(feed)[0] if protect else flat
+        versions = [t._version for t in fed]
+        with self._mode(grad=False, in_backward=in_backward):
+            out = self._call(stage, feed, i, role)
+        self._learn_mutation(i, fed, versions)
+        del feed, fed
+        if kind == "Fn":
+            # NOTE [memory model]: Fn frees its input x_i right after the op (DESIGN §3).
+            del self.x[i]
+        if i + 1 == self.L:
+            self.out = out
+        else:
+            self.x[i + 1] = out
 
     def _backward_op(self, i: int) -> None:
         # NOTE [memory model]: B(i) frees δ_{i+1}, x̄_{i+1} (the graph and output of Fall(i)) and, when x_i is a plain
@@ -273,7 +274,10 @@ class _Step:
             self.group_delta = [t.grad if t is not None and t.requires_grad else None for t in leaves]
             del leaves
         del self.xbar[i]
-        self.delta[i] = self.group_delta if i == k else _SPENT
+        if i == k:
+            self.delta[i], self.group_delta = self.group_delta, []
+        else:
+            self.delta[i] = _SPENT
         self.x.pop(i, None)
 
     def _leaf(self, t: torch.Tensor, i: int, k: int) -> torch.Tensor:
