@@ -14,14 +14,6 @@ from hchain_viz.runtime.measure import Measurement, default_loss, measure  # noq
 pytestmark = pytest.mark.torch
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two cores shared with other test runs: one intra-op thread keeps torch from stalling on busy cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def mlp(depth: int, width: int = 64) -> nn.Sequential:
     torch.manual_seed(0)

@@ -16,14 +16,6 @@ from hchain_viz.runtime.stages import sequentialize  # noqa: E402
 pytestmark = pytest.mark.torch
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two cores shared with other test runs: one intra-op thread keeps torch from stalling on busy cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 SMALL = {
     "resnet_chain": dict(batch=2, image=16, width=4, blocks=(1, 1)),
     "transformer_chain": dict(batch=2, seq=8, dim=16, heads=2, layers=2, vocab=11),

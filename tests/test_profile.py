@@ -22,14 +22,6 @@ pytestmark = pytest.mark.torch
 F32 = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two cores shared with other test runs: one intra-op thread keeps torch from stalling on busy cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def quick(model, x, loss_fn=None, **kw):
     return profile(model, x, loss_fn, warmup=0, repeats=1, progress=False, **kw)

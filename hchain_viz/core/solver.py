@@ -71,6 +71,17 @@ def _row(L, i, l):  # noqa: E741  # pragma: no cover - runs compiled
     return i * L - (i * (i - 1)) // 2 + l - i
 
 
+def _take_chain(out, cho, sub, t, keep):  # pragma: no cover - runs compiled
+    """Merge the chain option (``t + sub``, budget-aligned with ``out``) into the best leaf so far: the chain wins
+    unless a leaf is faster by more than the tie margin (``keep`` = 1 + 1e-12; no pointless recomputation)."""
+    for k in range(out.shape[0]):
+        cv = t + sub[k]
+        v = out[k]
+        leaf_wins = v * keep < cv
+        out[k] = v if leaf_wins else cv
+        cho[k] = cho[k] if leaf_wins else _CHAIN
+
+
 def _bounds(x, xbar, ftmp, btmp, G, LOC, SAT):  # pragma: no cover - runs compiled
     """Per pair (i, l), in slots: ``G`` the guard (DESIGN §4: the first forward of each stage i..l-1 runs while
     δ_{l+1} is resident; necessary for every option), ``LOC`` the least m of the chain option (the base case when
@@ -175,15 +186,7 @@ def _fill_table(x, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: no co
                     for m in range(lo, S1):
                         out[m] = t
                 elif lo < S1:
-                    sub = C[_row(L, i + 1, l), lo - xbar[i]:]
-                    o = out[lo:]
-                    c = cho[lo:]
-                    for k in range(S1 - lo):
-                        cv = t + sub[k]
-                        v = o[k]
-                        leaf_wins = v * keep < cv
-                        o[k] = v if leaf_wins else cv
-                        c[k] = c[k] if leaf_wins else _CHAIN
+                    _take_chain(out[lo:], cho[lo:], C[_row(L, i + 1, l), lo - xbar[i]:], t, keep)
                 for m in range(S1):
                     if out[m] == inf:
                         cho[m] = _NONE
@@ -216,15 +219,7 @@ def _fill_table(x, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: no co
         lo = max(g, xbar[i] + ftmp[i], need_b, xbar[i])
         t = fwd[i] + bwd[i]
         if lo < S1:
-            sub = D[i + 1, lo - xbar[i]:]
-            o = out[lo:]
-            c = cho[lo:]
-            for k in range(S1 - lo):
-                cv = t + sub[k]
-                v = o[k]
-                leaf_wins = v * keep < cv
-                o[k] = v if leaf_wins else cv
-                c[k] = c[k] if leaf_wins else _CHAIN
+            _take_chain(out[lo:], cho[lo:], D[i + 1, lo - xbar[i]:], t, keep)
         for m in range(S1):
             if out[m] == inf:
                 cho[m] = _NONE
@@ -341,7 +336,7 @@ def _kernels() -> dict[str, Any]:
 
         # Callees first: a kernel resolves the helpers it calls through the module globals when it compiles.
         g = globals()
-        for name in ("_row", "_bounds", "_leaf", "_fill_table", "_rebuild", "_least_memory"):
+        for name in ("_row", "_take_chain", "_bounds", "_leaf", "_fill_table", "_rebuild", "_least_memory"):
             g[name] = numba.njit(**_NUMBA_OPTIONS)(g[name])
         _compiled.update(fill=_fill_table, rebuild=_rebuild, least=_least_memory)
     return _compiled
