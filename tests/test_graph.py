@@ -8,7 +8,6 @@ skip cleanly when they are missing or cannot be imported beside this torch.
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 
 import pytest
@@ -18,51 +17,16 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from hchain_viz.errors import HChainError, NotSequentialError  # noqa: E402
+from hchain_viz.runtime import models  # noqa: E402
 from hchain_viz.runtime.graph import GraphStage, cached_stages, extract_stages  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 
 # ---------------------------------------------------------------------------------------------- test-local models
-class Block(nn.Module):
-    """A pre-LN transformer block with a causal-mask buffer sliced by the sequence length (a residual stream)."""
-
-    def __init__(self, d: int, heads: int, seq: int, p: float):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-        self.drop = nn.Dropout(p)
-        self.register_buffer("mask", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
-
-    def forward(self, x):
-        B, T, C = x.size()
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
-        y = (self.drop(F.softmax(att, dim=-1)) @ v).transpose(1, 2).contiguous().view(B, T, C)
-        x = x + self.drop(self.proj(y))
-        return x + self.mlp(self.ln2(x))
-
-
-class TinyGPT(nn.Module):
-    """nanoGPT-style decoder: tied embedding, dropout, blocks in a ModuleList, sizes read from the input."""
-
-    def __init__(self, vocab: int = 50, d: int = 32, heads: int = 4, seq: int = 16, layers: int = 3, p: float = 0.1):
-        super().__init__()
-        self.wte, self.wpe, self.drop = nn.Embedding(vocab, d), nn.Embedding(seq, d), nn.Dropout(p)
-        self.h = nn.ModuleList([Block(d, heads, seq, p) for _ in range(layers)])
-        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, idx):
-        B, T = idx.size()
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(0, T, device=idx.device)))
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+def TinyGPT(layers: int = 3) -> nn.Module:
+    """The nanoGPT-style decoder of hcv.models at test size: vocab 50, width 32, 4 heads, 16 positions."""
+    return models.NanoGPT(vocab=50, dim=32, heads=4, seq=16, layers=layers, dropout=0.1)
 
 
 class DenseLayer(nn.Module):

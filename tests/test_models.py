@@ -21,6 +21,7 @@ SMALL = {
     "transformer_chain": dict(batch=2, seq=8, dim=16, heads=2, layers=2, vocab=11),
     "mlp_chain": dict(batch=4, in_features=8, widths=(16, 4), classes=3),
     "resnet_skip": dict(batch=2, image=16, width=4, blocks=(1, 1)),
+    "nanogpt": dict(batch=2, seq=8, vocab=11, dim=16, heads=2, layers=2),
 }
 
 
@@ -96,7 +97,7 @@ def test_default_demo_is_heterogeneous():
 
 def test_models_is_the_lazy_public_attribute():
     assert hcv.models is models
-    assert set(models.DEMOS) == {"resnet_chain", "transformer_chain", "mlp_chain", "resnet_skip"}
+    assert set(models.DEMOS) == {"resnet_chain", "transformer_chain", "mlp_chain", "resnet_skip", "nanogpt"}
 
 
 def test_unknown_demo():

@@ -16,7 +16,6 @@ Hugging Face GPT-2 and torchvision resnet18 / densenet121, all with random weigh
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 import warnings
@@ -134,52 +133,11 @@ def _resnet_skip() -> tuple:
     return model, x, loss_fn, "8x3x32x32"
 
 
-class _Block(nn.Module):
-    """Pre-LN transformer block (residual stream, causal mask buffer sliced by the traced sequence length)."""
-
-    def __init__(self, d: int, heads: int, seq: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-        self.drop = nn.Dropout(0.1)
-        self.register_buffer("mask", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
-        y = (self.drop(F.softmax(att, dim=-1)) @ v).transpose(1, 2).contiguous().view(B, T, C)
-        x = x + self.drop(self.proj(y))
-        return x + self.mlp(self.ln2(x))
-
-
-class _NanoGPT(nn.Module):
-    """nanoGPT-style decoder written as a plain module: tied embedding, blocks in a ModuleList."""
-
-    def __init__(self, vocab: int, d: int, heads: int, seq: int, layers: int):
-        super().__init__()
-        self.wte, self.wpe, self.drop = nn.Embedding(vocab, d), nn.Embedding(seq, d), nn.Dropout(0.1)
-        self.h = nn.ModuleList([_Block(d, heads, seq) for _ in range(layers)])
-        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        B, T = idx.size()
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(0, T, device=idx.device)))
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
 def _nanogpt() -> tuple:
-    torch.manual_seed(0)
-    model = _NanoGPT(vocab=256, d=128, heads=4, seq=128, layers=6)
-    idx, target = torch.randint(0, 256, (8, 128)), torch.randint(0, 256, (8, 128))
-    return model, idx, _cross_entropy(target), "8x128 tokens"
+    from ..runtime.models import nanogpt
+
+    model, idx, loss_fn = nanogpt(batch=8, seq=128, vocab=256, dim=128, heads=4, layers=6)
+    return model, idx, loss_fn, "8x128 tokens"
 
 
 def _gpt2() -> tuple:

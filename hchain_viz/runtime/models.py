@@ -253,11 +253,66 @@ def resnet_skip(*, batch: int = 8, image: int = 64, width: int = 16, blocks: tup
     return _seeded(seed, device, build)
 
 
+class GPTBlock(nn.Module):
+    """Pre-LN transformer block: causal self-attention and an MLP on a residual stream; the causal-mask buffer is
+    sliced by the input's sequence length."""
+
+    def __init__(self, dim: int, heads: int, seq: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
+        y = (self.drop(F.softmax(att, dim=-1)) @ v).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.drop(self.proj(y))
+        return x + self.mlp(self.ln2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT-style decoder as a plain module (not a chain by structure): tied embedding, dropout, blocks in a
+    ModuleList; graph extraction cuts it into ``stem, h.0, .., head``."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, seq: int, layers: int, dropout: float = 0.1):
+        super().__init__()
+        self.wte, self.wpe, self.drop = nn.Embedding(vocab, dim), nn.Embedding(seq, dim), nn.Dropout(dropout)
+        self.h = nn.ModuleList([GPTBlock(dim, heads, seq, dropout) for _ in range(layers)])
+        self.ln_f, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.size()
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(0, T, device=idx.device)))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def nanogpt(*, batch: int = 8, seq: int = 128, vocab: int = 256, dim: int = 128, heads: int = 4, layers: int = 6,
+            dropout: float = 0.1, seed: int = 0, device: str | torch.device | None = None) -> Demo:
+    """A GPT-style decoder written as a plain ``nn.Module`` (see :class:`NanoGPT`), token inputs, next-token loss."""
+    def build() -> Demo:
+        model = NanoGPT(vocab, dim, heads, seq, layers, dropout)
+        idx = torch.randint(0, vocab, (batch, seq))
+        return model, idx, _CrossEntropy(torch.randint(0, vocab, (batch, seq)))
+
+    return _seeded(seed, device, build)
+
+
 DEMOS: dict[str, Callable[..., Demo]] = {
     "resnet_chain": resnet_chain,
     "transformer_chain": transformer_chain,
     "mlp_chain": mlp_chain,
     "resnet_skip": resnet_skip,
+    "nanogpt": nanogpt,
 }
 DEFAULT_DEMO = "resnet_chain"
 
