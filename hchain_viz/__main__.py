@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .bench import print_table
 from .errors import HChainError
 
 
@@ -67,12 +68,6 @@ def _summary_rows(chain, solution) -> list[tuple[str, ...]]:
     return rows
 
 
-def _print_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    widths = [max(len(str(r[c])) for r in [head, *rows]) for c in range(len(head))]
-    for r in [head, ["-" * w for w in widths], *rows]:
-        print("  ".join(str(s).rjust(w) for s, w in zip(r, widths)))
-
-
 def _print_frontier(solution) -> None:
     from .core.units import format_bytes, format_time
 
@@ -81,8 +76,8 @@ def _print_frontier(solution) -> None:
     if len(points) > 25:  # keep the terminal readable: about 25 evenly spaced breakpoints
         step = len(points) / 25
         points = [points[int(k * step)] for k in range(25)] + [points[-1]]
-    _print_table(("budget", "bytes", "makespan", "overhead"),
-                 [(format_bytes(b), str(b), format_time(t), f"{100 * (t / base - 1):+.1f}%") for b, t in points])
+    rows = [(format_bytes(b), str(b), format_time(t), f"{100 * (t / base - 1):+.1f}%") for b, t in points]
+    print_table(("budget", "bytes", "makespan", "overhead"), rows, rule=True)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -99,8 +94,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
           f"{format_bytes(solution.store_all_peak)} ({solution.store_all_peak} B)\n")
     print("At three budgets, each baseline (its peak, step time, overhead over store-all) and the optimal step time;"
           " 'slower' is how much longer the baseline's step takes:")
-    _print_table(("budget", "strategy", "peak", "makespan", "overhead", "optimal", "slower"),
-                 _summary_rows(chain, solution))
+    print_table(("budget", "strategy", "peak", "makespan", "overhead", "optimal", "slower"),
+                _summary_rows(chain, solution), rule=True)
     print("\nOptimal frontier:")
     _print_frontier(solution)
     path = to_html(solution, args.out)

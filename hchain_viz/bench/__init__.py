@@ -10,8 +10,20 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 
 BENCHMARKS = ("solver", "profile", "train", "widget", "models")
+
+
+def print_table(head: Sequence[object], rows: Sequence[Sequence[object]], *, left: int = 0, rule: bool = False) -> None:
+    """Print ``rows`` under ``head`` in aligned columns (the CLI's and every benchmark's tables): the first ``left``
+    columns left-aligned, the rest right-aligned; ``rule`` draws a line of dashes under the head."""
+    lines = [[str(c) for c in r] for r in [head, *rows]]
+    widths = [max(len(r[c]) for r in lines) for c in range(len(lines[0]))]
+    if rule:
+        lines.insert(1, ["-" * w for w in widths])
+    for r in lines:
+        print("  ".join(s.ljust(w) if c < left else s.rjust(w) for c, (s, w) in enumerate(zip(r, widths))).rstrip())
 
 
 def run(name: str, args: list[str]) -> None:

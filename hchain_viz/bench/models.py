@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import print_table
+
 ALL = ("resnet_skip", "nanogpt", "gpt2", "resnet18", "densenet121")
 
 
@@ -58,7 +60,7 @@ def run(args: list[str]) -> None:
         row = _bench_model(name, model, x, loss_fn, shape, opts)
         rows.append(row)
     print()
-    _table(head, rows)
+    print_table(head, rows, left=3)
 
 
 def _bench_model(name: str, model: nn.Module, x: Any, loss_fn: Callable, shape: str, opts: Any) -> tuple:
@@ -176,10 +178,3 @@ BUILDERS: dict[str, Callable[[], tuple]] = {
     "densenet121": _torchvision("densenet121"),
 }
 
-
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
-    line = lambda r: "  ".join(s.ljust(w) if c < 3 else s.rjust(w) for c, (s, w) in enumerate(zip(r, widths)))
-    print(line(head))
-    for r in rows:
-        print(line(r).rstrip())

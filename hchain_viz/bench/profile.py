@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from . import print_table
+
 
 def run(args: list[str]) -> None:
     """Print one table row per demo model."""
@@ -46,10 +48,6 @@ def run(args: list[str]) -> None:
                      format_bytes(real.peak_bytes), f"{trace.peak_memory / real.peak_bytes:.3f}",
                      format_time(trace.makespan), format_time(real.step_time),
                      f"{trace.makespan / real.step_time:.3f}"))
-    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
-    line = lambda r: "  ".join(s.ljust(w) if c == 0 else s.rjust(w) for c, (s, w) in enumerate(zip(r, widths)))
     print(f"profile benchmark: torch {torch.__version__}, device {opts.device}, {torch.get_num_threads()} threads, "
           f"{opts.repeats} repeats; ratio = predicted / measured (store-all vs a plain eager step)")
-    print(line(head))
-    for r in rows:
-        print(line(r))
+    print_table(head, rows, left=1)

@@ -20,6 +20,7 @@ import time
 from ..core.chain import Chain
 from ..core.solver import solve
 from ..core.units import format_bytes, format_time
+from . import print_table
 
 # Goals (2 CPU cores): table build at (L, slots), rebuild at L=100, fresh-process start with a warm Numba cache.
 GOALS = {(100, 500): 0.050, (300, 500): 2.0}
@@ -62,12 +63,6 @@ def _cold_start(cache_dir: str) -> tuple[float, float]:
     return float(out.stdout.strip().splitlines()[-1]), time.perf_counter() - t
 
 
-def _print_table(head: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
-    for r in [head, ["-" * w for w in widths], *rows]:
-        print("  ".join(s.rjust(w) for s, w in zip(r, widths)))
-
-
 def run(args: list[str]) -> None:
     """Print the benchmark table. Options: ``--quick`` (L = 10, 100, 300 at 500 slots), ``--reps N`` (default 5)."""
     from ..errors import HChainError
@@ -108,13 +103,13 @@ def run(args: list[str]) -> None:
         ])
     print(f"Solver: table build (median of {reps} after a warm-up), table memory, one schedule rebuild at a "
           f"mid-range budget (median of {max(reps, 50)}); Chain.random(L, seed=0)")
-    _print_table(head, rows)
+    print_table(head, rows, rule=True)
 
     with tempfile.TemporaryDirectory() as cache:
         cold_in, cold_all = _cold_start(cache)  # empty cache: everything compiles
         warm_in, warm_all = _cold_start(cache)  # the cache the first run wrote
     print("\nFresh process: import hchain_viz + first solve (L=100, 500 slots)")
-    _print_table(["Numba cache", "import + solve", "whole process", "goal"], [
+    print_table(["Numba cache", "import + solve", "whole process", "goal"], [
         ["cold (empty)", format_time(cold_in), format_time(cold_all), ""],
         ["warm", format_time(warm_in), format_time(warm_all),
          f"<= {format_time(GOAL_COLD_START)} {'ok' if warm_all <= GOAL_COLD_START else 'MISSED'}"],

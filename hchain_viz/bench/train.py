@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
+from . import print_table
+
 
 def run(args: list[str]) -> None:
     """Print, per demo model, a table of every configuration and the comparison with checkpoint_sequential."""
@@ -90,7 +92,7 @@ def run(args: list[str]) -> None:
                 for (label, _, _, tr), mp, t in zip(configs, peaks, times)]
         print()
         print(f"{name}: {L} stages, least feasible budget {format_bytes(lo)}, store-all peak {format_bytes(hi)}")
-        _table(head, rows)
+        print_table(head, rows, left=1)
 
         opt = [(mp, t, label) for (label, kind, _, _), mp, t in zip(configs, peaks, times) if kind == "optimal"]
         time_of = {m.schedule.ops: t for (_, kind, m, _), t in zip(configs, times) if kind == "optimal"}
@@ -116,7 +118,7 @@ def run(args: list[str]) -> None:
             rows.append((label.split()[-1], format_bytes(mp), format_time(t), o_label.split("@ ")[-1],
                          format_bytes(o_peak), format_time(o_time), f"{100 * gain:+.1f}%", sim_gain))
         print()
-        _table(head, rows)
+        print_table(head, rows, left=1)
         eager_t, store_t = times[0], times[1]
         avg = statistics.mean(gains) if gains else float("nan")
         gains_all += gains
@@ -171,10 +173,3 @@ def _interleaved_times(modules: list[Any], x: Any, loss_fn: Any, rounds: int, fr
                 samples[k].append(dt)
     return [statistics.median(s) for s in samples]
 
-
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
-    line = lambda r: "  ".join(s.ljust(w) if c == 0 else s.rjust(w) for c, (s, w) in enumerate(zip(r, widths)))
-    print(line(head))
-    for r in rows:
-        print(line(r))

@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from . import print_table
+
 GOALS_MS = {50: 30.0, 200: 100.0}
 
 
@@ -70,8 +72,6 @@ def run(args: list[str]) -> None:
                      f"{np.percentile(ms, 90):.1f} ms", f"{ms.max():.1f} ms",
                      "-" if goal is None else f"<= {goal:.0f} ms", "-" if goal is None else
                      ("yes" if med <= goal else "NO")))
-    widths = [max(len(r[c]) for r in rows + [head]) for c in range(len(head))]
     print(f"widget: server-side time of one explorer budget change ({opts.changes} changes per length, "
           f"{opts.slots} slots, baselines {'on' if opts.baselines else 'off'})")
-    for r in [head] + rows:
-        print("  ".join(s.rjust(w) for s, w in zip(r, widths)))
+    print_table(head, rows)

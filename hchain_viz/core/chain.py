@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,13 +108,9 @@ class Chain:
             d["meta"] = self.meta
         return d
 
-    def to_json(self, path: str | None = None, *, indent: int | None = 1) -> str:
+    def to_json(self, path: str | os.PathLike | None = None, *, indent: int | None = 1) -> str:
         """JSON text of the chain; also written to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
-        return text
+        return write_json(self.to_dict(), path, indent)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Chain:
@@ -128,20 +125,9 @@ class Chain:
         )
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> Chain:
+    def from_json(cls, text_or_path: str | os.PathLike) -> Chain:
         """Read a chain from JSON text or from a file path."""
-        text = text_or_path
-        if not text.lstrip().startswith("{"):
-            try:
-                with open(text_or_path) as f:
-                    text = f.read()
-            except OSError as e:
-                raise InvalidChain(f"cannot read chain file {text_or_path!r}: {e}") from None
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise InvalidChain(f"chain JSON is malformed: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(read_json(text_or_path, InvalidChain, "chain"))
 
     # ------------------------------------------------------------------ teaching / test chains
     @classmethod
@@ -213,6 +199,36 @@ class Chain:
         body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in self._rows())
         return (f"<b>Chain</b>: {self.length} stages, store-all {format_time(self.store_all_time)}"
                 f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+
+def write_json(d: dict[str, Any], path: str | os.PathLike | None, indent: int | None) -> str:
+    """``d`` as JSON text, also written to ``path`` when given (the ``to_json`` of chains and schedules)."""
+    text = json.dumps(d, indent=indent)
+    if path is not None:
+        with open(path, "w") as f:
+            f.write(text)
+    return text
+
+
+def read_json(text_or_path: str | os.PathLike, error: type[Exception], what: str) -> Any:
+    """The JSON value of ``text_or_path``: JSON text (it starts with ``{``) or a file path. Raises ``error`` naming
+    ``what`` (``"chain"``, ``"schedule"``) when the file cannot be read or the text is not JSON."""
+    if isinstance(text_or_path, os.PathLike):
+        text_or_path = os.fspath(text_or_path)
+    if not isinstance(text_or_path, str):
+        raise error(f"{what} JSON must be text or a file path, got {type(text_or_path).__name__} "
+                    f"(for a dict use from_dict)")
+    text = text_or_path
+    if not text.lstrip().startswith("{"):
+        try:
+            with open(text_or_path) as f:
+                text = f.read()
+        except OSError as e:
+            raise error(f"cannot read {what} file {text_or_path!r}: {e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{what} JSON is malformed: {e}") from None
 
 
 def _length_of(v: Any, name: str) -> int:

@@ -7,12 +7,13 @@ executor runs it, one set of figures draws it.
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..errors import InvalidSchedule
+from .chain import read_json, write_json
 
 SCHEDULE_FORMAT = "hchain-schedule/1"
 OP_KINDS = ("Fck", "Fn", "Fall", "Loss", "B")
@@ -64,7 +65,6 @@ class Schedule:
     def parse(cls, text: str, **meta: Any) -> Schedule:
         """Read the ``__str__`` form back: ``"Fck0 Fn1 Fall2 Loss B2"``; ``Loss`` may carry its stage (``Loss3``)."""
         ops = []
-        loss_at = None
         for tok in text.split():
             kind = next((k for k in ("Fall", "Fck", "Fn", "Loss", "B") if tok.startswith(k)), None)
             rest = tok[len(kind):] if kind else ""
@@ -106,13 +106,9 @@ class Schedule:
     def to_dict(self) -> dict[str, Any]:
         return {"format": SCHEDULE_FORMAT, "ops": [[op.kind, op.stage] for op in self.ops], **self.meta}
 
-    def to_json(self, path: str | None = None, *, indent: int | None = None) -> str:
+    def to_json(self, path: str | os.PathLike | None = None, *, indent: int | None = None) -> str:
         """``{"format": "hchain-schedule/1", "ops": [["Fck", 0], ...], ...metadata}``; also written to ``path``."""
-        text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
-        return text
+        return write_json(self.to_dict(), path, indent)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Schedule:
@@ -125,19 +121,9 @@ class Schedule:
         return cls(tuple(d["ops"]), meta)  # each op's shape is checked in __post_init__
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> Schedule:
+    def from_json(cls, text_or_path: str | os.PathLike) -> Schedule:
         """Read a schedule from JSON text or a file path."""
-        text = text_or_path
-        if not text.lstrip().startswith("{"):
-            try:
-                with open(text_or_path) as f:
-                    text = f.read()
-            except OSError as e:
-                raise InvalidSchedule(f"cannot read schedule file {text_or_path!r}: {e}") from None
-        try:
-            return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as e:
-            raise InvalidSchedule(f"schedule JSON is malformed: {e}") from None
+        return cls.from_dict(read_json(text_or_path, InvalidSchedule, "schedule"))
 
     # ------------------------------------------------------------------ execution
     def wrap(self, model: Any, **kwargs: Any) -> Any:
@@ -148,5 +134,5 @@ class Schedule:
 
 
 def make_schedule(ops: Iterable[tuple[str, int]], **meta: Any) -> Schedule:
-    """Build a Schedule from ``(kind, stage)`` pairs."""
-    return Schedule(tuple(Op(k, s) for k, s in ops), meta)
+    """Build a Schedule from ``(kind, stage)`` pairs (checked, and made Ops, by ``Schedule`` itself)."""
+    return Schedule(tuple(ops), meta)

@@ -34,6 +34,8 @@ import numpy as np
 from ..errors import HChainError, InfeasibleBudget, InvalidChain
 from .chain import Chain
 from .schedule import Op, Schedule
+from .simulate import simulate
+from .strategies import store_all
 from .units import format_bytes, format_time, parse_bytes
 
 __all__ = ["Solution", "solve", "optimal_schedule"]
@@ -411,11 +413,7 @@ class Solution:
         return budget * self.slots // self.max_budget
 
     def _budget(self, budget: Any) -> int:
-        try:
-            b = parse_bytes(budget)
-        except HChainError:
-            raise HChainError(f"cannot read the budget {budget!r}; give bytes (int) or text like '300MiB'") from None
-        return min(b, self.max_budget)
+        return min(_read_bytes(budget), self.max_budget)
 
     # ---------------------------------------------------------------- answers
     def makespan(self, budget: int | str) -> float:
@@ -430,16 +428,14 @@ class Solution:
         """The optimal schedule within ``budget`` bytes (budgets above ``max_budget`` are answered as
         ``max_budget``). Raises :class:`~hchain_viz.errors.InfeasibleBudget` (with ``.min_budget``) when none fits.
         """
-        requested = parse_bytes(budget) if not isinstance(budget, (int, np.integer)) else int(budget)
-        b = self._budget(budget)
-        meta = {"strategy": "optimal", "budget": int(requested), "slots": self.slots}
+        requested = _read_bytes(budget)
+        b = min(requested, self.max_budget)
+        meta = {"strategy": "optimal", "budget": requested, "slots": self.slots}
         if b >= self.store_all_peak:  # store-all is optimal and exact here: no rounding, no recomputation
-            L = self.chain.length
-            ops = [Op("Fall", i) for i in range(L)] + [Op("Loss", L)] + [Op("B", i) for i in range(L - 1, -1, -1)]
-            return self._finish(tuple(ops), meta)
+            return self._finish(store_all(self.chain).ops, meta)
         s = int(self._best[self._slots_of(b)])
         if s < 0:
-            raise self._infeasible(int(requested))
+            raise self._infeasible(requested)
         L = self.chain.length
         out = np.empty((L * (L + 1) // 2 + L + 2, 2), np.int32)  # at most L(L+1)/2 forwards
         sz = self._sizes
@@ -553,11 +549,16 @@ def _slot_sizes(chain: Chain, max_budget: int, slots: int) -> dict[str, np.ndarr
             "bwd_tmp": up(chain.bwd_tmp)}
 
 
+def _read_bytes(value: Any, what: str = "the budget") -> int:
+    """``parse_bytes`` with a message that names the argument."""
+    try:
+        return parse_bytes(value)
+    except HChainError:
+        raise HChainError(f"cannot read {what} {value!r}; give bytes (int) or text like '300MiB'") from None
+
+
 def store_all_peak(chain: Chain) -> int:
     """Simulated peak of storing everything (``strategies.store_all``): the largest budget worth solving for."""
-    from .simulate import simulate
-    from .strategies import store_all
-
     return simulate(chain, store_all(chain)).peak_memory
 
 
@@ -581,11 +582,7 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500) -
     if max_budget is None:
         max_budget = max(peak, 1)  # a chain of zero sizes still gets a one-byte table
     else:
-        try:
-            max_budget = parse_bytes(max_budget)
-        except HChainError:
-            raise HChainError(f"cannot read max_budget {max_budget!r}; give bytes (int) or text like '300MiB'") \
-                from None
+        max_budget = _read_bytes(max_budget, "max_budget")
     if max_budget < 1:
         raise HChainError(f"max_budget must be at least 1 byte, got {max_budget!r}")
     slots = min(slots, max_budget)  # finer than one byte buys nothing
@@ -613,10 +610,7 @@ def optimal_schedule(chain: Chain, budget: int | str, slots: int = 500) -> Sched
     """The optimal schedule for one budget (bytes or text like ``"300MiB"``), solved at that budget's resolution
     (``solve(chain, max_budget=budget, slots=slots)``). Raises InfeasibleBudget when none fits."""
     chain = _check_chain(chain)
-    try:
-        b = parse_bytes(budget)
-    except HChainError:
-        raise HChainError(f"cannot read the budget {budget!r}; give bytes (int) or text like '300MiB'") from None
+    b = _read_bytes(budget)
     if b < 1:
         least = least_budget(chain)
         raise InfeasibleBudget(f"a budget of {b} B fits nothing; the least feasible budget is {least} B "

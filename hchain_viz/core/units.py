@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 from ..errors import HChainError
@@ -48,7 +49,7 @@ def format_time(s: float) -> str:
 
 def parse_bytes(text: str | int | float) -> int:
     """``'300MiB' -> 314572800``; plain numbers are bytes. Raises HChainError on anything else."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
+    if isinstance(text, numbers.Real) and not isinstance(text, bool):  # numpy integers too, without a float trip
         if text < 0 or not math.isfinite(text):
             raise HChainError(f"a memory size must be a finite non-negative number of bytes, got {text!r}")
         return int(text)

@@ -25,6 +25,7 @@ import numpy as np
 from ..core.chain import Chain
 from ..core.schedule import Schedule
 from ..core.simulate import simulate
+from ..core.strategies import STRATEGIES
 from ..core.units import format_bytes, format_time, parse_bytes
 from ..errors import DependencyError, HChainError, InfeasibleBudget
 from . import figures as F
@@ -45,21 +46,12 @@ OPTIMAL = "optimal"
 # What a change of budget, strategy or step may alter; everything else (colours, hover templates, modes) is set once
 # when the figures are built. Fewer keys per update is most of what keeps a budget change fast.
 _DYNAMIC_DATA = frozenset(("x", "y", "base", "customdata", "text", "marker.opacity", "name", "showlegend"))
-_DYNAMIC_LAYOUT = ("title", "xaxis", "yaxis", "shapes")
 _CACHE_SIZE = 64  # (strategy, budget) -> view; a slider dragged back and forth hits it
-
-
-def _baseline_names() -> list[str]:
-    from ..core import strategies
-
-    return list(getattr(strategies, "STRATEGIES", {"store_all": None}))
 
 
 def _baseline_schedule(chain: Chain, name: str, budget: int) -> tuple[Schedule, str]:
     """The family's schedule at ``budget``; when none fits, its least-memory one, with a note saying so."""
-    from ..core import strategies
-
-    fn = strategies.STRATEGIES[name]
+    fn = STRATEGIES[name]
     try:
         return fn(chain, budget), ""
     except InfeasibleBudget as e:
@@ -112,7 +104,7 @@ class Explorer:
         self.min_budget = int(solution.min_budget)
         self.max_budget = int(max(getattr(solution, "store_all_peak", solution.max_budget), self.min_budget))
         self._unit = style.byte_unit(self.max_budget)  # one unit for every hover, so templates never change
-        self._strategies = [OPTIMAL] + _baseline_names()
+        self._strategies = [OPTIMAL, *STRATEGIES]
         self._frontier = F.FrontierData.of(solution, baselines)
         self._cache: OrderedDict[tuple[str, int], tuple[TraceView, str]] = OrderedDict()
 
@@ -244,7 +236,7 @@ class Explorer:
             self._cache.move_to_end(key)
             return hit
         if name == OPTIMAL:
-            sched = self.solution.schedule(min(budget, int(self.solution.max_budget)))
+            sched = self.solution.schedule(budget)  # a budget above max_budget is answered as max_budget
             note = ""
         else:
             sched, note = _baseline_schedule(self.chain, name, budget)
@@ -352,7 +344,7 @@ class Explorer:
         self._view, self._note = self._view_for(self._strategy, self._budget)
         self._overlay_view = None if self._overlay is None else self._view_for(self._overlay, self._budget)[0]
         self._step = self._view.n
-        v, u = self._view, self._unit
+        v = self._view
         self._syncing = True
         try:
             self._budget_slider.value = min(max(self._budget, self._budget_slider.min), self._budget_slider.max)
@@ -364,10 +356,7 @@ class Explorer:
         finally:
             self._syncing = False
         self._budget_label.value = f"<b>{format_bytes(self._budget)}</b>"
-        _push(self._figs["memory"], F.memory_traces(v, self._budget, None, self._overlay_view, u),
-              F.memory_layout(v, self._budget, None, self._overlay_view))
-        _push(self._figs["timeline"], F.timeline_traces(v, None, u), F.timeline_layout(v))
-        _push(self._figs["tape"], F.tape_traces(v, None, u), F.tape_layout(v))
+        self._push_views(None)
         if frontier or self._strategy != OPTIMAL:
             tr = v.trace
             point = None if self._strategy == OPTIMAL else (tr.peak_memory, tr.makespan)
@@ -377,17 +366,20 @@ class Explorer:
 
     def _draw_step(self) -> None:
         """Move the player's cursor: faint future ops, memory revealed up to the step, the tape at that moment."""
-        v, u, k = self._view, self._unit, self._step
         self._syncing = True
         try:
-            self._step_slider.value = k
+            self._step_slider.value = self._step
         finally:
             self._syncing = False
-        _push(self._figs["memory"], F.memory_traces(v, self._budget, k, self._overlay_view, u),
-              F.memory_layout(v, self._budget, k, self._overlay_view))
-        _push(self._figs["timeline"], F.timeline_traces(v, k, u), F.timeline_layout(v, k))
-        _push(self._figs["tape"], F.tape_traces(v, k, u), F.tape_layout(v, k))
+        self._push_views(self._step)
         self._draw_step_label()
+
+    def _push_views(self, step: int | None) -> None:
+        """Redraw the memory curve, timeline and tape of the current view after ``step`` ops (None: all, no cursor)."""
+        v, u, b, o = self._view, self._unit, self._budget, self._overlay_view
+        _push(self._figs["memory"], F.memory_traces(v, b, step, o, u), F.memory_layout(v, b, step, o))
+        _push(self._figs["timeline"], F.timeline_traces(v, step, u), F.timeline_layout(v, step))
+        _push(self._figs["tape"], F.tape_traces(v, step, u), F.tape_layout(v, step))
 
     def _draw_step_label(self) -> None:
         v, k = self._view, self._step
@@ -429,7 +421,7 @@ def _push(fig: go.FigureWidget, traces: list[dict], layout: dict | None = None, 
     flat = [{k: v for k, v in _flatten(d).items() if k in _DYNAMIC_DATA} for d in traces]
     keys = dict.fromkeys(k for f in flat for k in f)
     restyle = {k: [f.get(k, _UNDEFINED) for f in flat] for k in keys}  # one entry per trace; missing: untouched
-    relayout = {} if layout is None else {k: layout[k] for k in _DYNAMIC_LAYOUT if k in layout}
+    relayout = {} if layout is None else {k: layout[k] for k in F.DYNAMIC_LAYOUT if k in layout}
     fig.plotly_update(restyle_data=restyle, relayout_data=relayout,
                       trace_indexes=list(range(first, first + len(traces))))
 

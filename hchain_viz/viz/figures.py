@@ -36,6 +36,9 @@ except ImportError as e:  # pragma: no cover - plotly is a hard dependency of th
 __all__ = ["timeline", "memory_curve", "storage_tape", "frontier"]
 
 _FUTURE_OPACITY = 0.22  # ops after the step cursor are drawn faint
+# The layout keys a budget or step change may alter (title, axis ranges and ticks, the cursor); the explorer and the
+# HTML export resend only these.
+DYNAMIC_LAYOUT = ("title", "xaxis", "yaxis", "shapes")
 
 
 def _view(trace: Trace | TraceView) -> TraceView:
@@ -310,22 +313,17 @@ class FrontierData:
 def _baseline_points(chain: Any, strategies: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``strategies``: None (every baseline the strategies module offers), False/empty (none), a list of names,
     or a mapping name → [(peak_bytes, makespan)]."""
-    if strategies is None or (isinstance(strategies, Sequence) and not isinstance(strategies, str)):
+    if strategies is False or (isinstance(strategies, Sequence) and not strategies):
+        points = {}  # before the Sequence case: an empty list must not compute every baseline's frontier
+    elif strategies is None or (isinstance(strategies, Sequence) and not isinstance(strategies, str)):
         from ..core import strategies as strat
 
-        if not hasattr(strat, "frontier_points"):
-            if strategies:
-                raise HChainError("baseline frontiers are unavailable: core.strategies has no frontier_points()")
-            points = {}
-        else:
-            points = strat.frontier_points(chain)
+        points = strat.frontier_points(chain)
         if strategies is not None:
             unknown = [s for s in strategies if s not in points]
             if unknown:
                 raise HChainError(f"unknown strategies {unknown}; choose among {sorted(points)}")
             points = {s: points[s] for s in strategies}
-    elif strategies is False:
-        points = {}
     elif isinstance(strategies, Mapping):
         points = dict(strategies)
     else:

@@ -27,7 +27,6 @@ from .trace_view import TraceView
 
 __all__ = ["to_html"]
 
-_DYNAMIC_LAYOUT = ("title", "xaxis", "yaxis", "shapes")
 _CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["sendDataToCloud"]}
 
 
@@ -66,8 +65,8 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
             stats=(f"makespan <b>{format_time(tr.makespan)}</b> ({100 * tr.overhead:+.1f}% over store-all), "
                    f"peak <b>{format_bytes(tr.peak_memory)}</b>, {tr.n_recomputed} recomputed forwards, "
                    f"{len(tr.events)} ops"),
-            timeline=dict(data=tl_data, layout={k: tl_lay[k] for k in _DYNAMIC_LAYOUT}),
-            memory=dict(data=mem_data, layout={k: mem_lay[k] for k in _DYNAMIC_LAYOUT}),
+            timeline=dict(data=tl_data, layout={k: tl_lay[k] for k in F.DYNAMIC_LAYOUT}),
+            memory=dict(data=mem_data, layout={k: mem_lay[k] for k in F.DYNAMIC_LAYOUT}),
             frontier=F.frontier_budget_traces(fd, b),
         ))
     frontier_data = F.frontier_traces(fd, budgets[0], unit)
