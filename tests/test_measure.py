@@ -6,6 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 
 import hchain_viz as hcv  # noqa: E402
 from hchain_viz.errors import HChainError, ProfileError  # noqa: E402
@@ -90,6 +91,10 @@ def test_errors():
         measure(model, x, repeats=0)
     with pytest.raises(HChainError, match="no tensor"):
         measure(model, "not a tensor")
+    with pytest.raises(ProfileError, match="shape"):
+        measure(model, torch.randn(2, 65))  # wrong input width
+    with pytest.raises(ProfileError, match=r"loss_fn\(output\) failed"):
+        measure(model, x, lambda out: F.cross_entropy(out, torch.zeros(5, dtype=torch.long)))
 
 
 @pytest.mark.cuda

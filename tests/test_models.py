@@ -103,3 +103,10 @@ def test_models_is_the_lazy_public_attribute():
 def test_unknown_demo():
     with pytest.raises(HChainError, match="resnet_chain"):
         models.demo_model("vit_huge")
+
+
+@pytest.mark.parametrize("name", ["transformer_chain", "nanogpt"])
+@pytest.mark.parametrize("heads", [3, 0])
+def test_heads_must_divide_dim(name, heads):
+    with pytest.raises(HChainError, match="multiple of heads"):
+        models.demo_model(name, **{**SMALL[name], "heads": heads})

@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 
 import hchain_viz as hcv  # noqa: E402
 from hchain_viz.core import strategies  # noqa: E402
@@ -199,3 +200,5 @@ def test_bad_arguments_and_failing_stage():
         quick(model, x, loss_fn=lambda out: out * 2)
     with pytest.raises(HChainError, match="shape"):
         quick(nn.Sequential(nn.Linear(5, 4)), x)  # wrong input width
+    with pytest.raises(ProfileError, match=r"loss_fn\(output\) failed"):
+        quick(model, x, loss_fn=lambda out: F.cross_entropy(out, torch.zeros(5, dtype=torch.long)))

@@ -44,6 +44,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import NotSequentialError
+from .memtrack import cuda_devices
+from .stages import buffer_snapshot
 
 __all__ = ["extract_stages", "cached_stages", "GraphStage"]
 
@@ -523,14 +525,12 @@ def _route_root_buffers(traced: _Traced, model: nn.Module) -> _Traced:
 @contextmanager
 def _preserved(model: nn.Module) -> Iterator[None]:
     """Run test forwards without leaving a trace: RNG states and buffers (BatchNorm statistics) are restored."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    restore = buffer_snapshot([model])
+    with torch.random.fork_rng(devices=cuda_devices(list(model.parameters()))), torch.no_grad():
         try:
             yield
         finally:
-            for buffer, value in saved:
-                buffer.copy_(value)
+            restore()
 
 
 class _Plan:

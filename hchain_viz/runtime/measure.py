@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from ..core.units import format_bytes, format_time
-from ..errors import ProfileError
-from .memtrack import MemoryMeter, nbytes, tensors
+from ..errors import HChainError, ProfileError
+from .memtrack import MemoryMeter, map_tensors, nbytes, tensors
 from .stages import buffer_snapshot
 
 __all__ = ["measure", "Measurement", "default_loss"]
@@ -90,10 +90,14 @@ def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None,
     input_bytes = nbytes(sample_input)
 
     def step(x: Any) -> None:
-        out = module(x)
-        loss = loss_fn(out)
-        check_loss(loss)
-        loss.backward()
+        try:
+            out = module(x)
+        except (HChainError, torch.cuda.OutOfMemoryError):
+            raise
+        except Exception as e:
+            raise ProfileError(f"the {type(module).__name__} failed on the sample input ({type(e).__name__}: {e}); "
+                               f"check the input's shape, dtype and device against the model") from e
+        loss_of(loss_fn, out).backward()
 
     times: list[float] = []
     with preserved_state([module], dev):
@@ -141,6 +145,27 @@ def _timed(fn: Callable[[], Any], dev: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def loss_of(loss_fn: LossFn, output: Any) -> torch.Tensor:
+    """``loss_fn(output)``, checked by :func:`check_loss`; an exception inside ``loss_fn`` becomes a ProfileError."""
+    try:
+        loss = loss_fn(output)
+    except (HChainError, torch.cuda.OutOfMemoryError):
+        raise
+    except Exception as e:
+        raise ProfileError(f"loss_fn(output) failed ({type(e).__name__}: {e}); it must take the model's output "
+                           f"(here {_shapes(output)}) and return a scalar tensor, with any targets closed over") \
+            from e
+    check_loss(loss)
+    return loss
+
+
+def _shapes(obj: Any) -> Any:
+    """The shapes of the tensors in ``obj``, for messages: ``[8, 10]`` for one tensor, a list of them otherwise."""
+    if isinstance(obj, torch.Tensor):
+        return list(obj.shape)
+    return [_shapes(t) for t in tensors(obj)]
+
+
 def check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -152,24 +177,12 @@ def check_loss(loss: Any) -> None:
 
 def fresh_copy(obj: Any) -> Any:
     """A copy of the tensors in ``obj`` (same requires_grad), so in-place ops never touch the caller's input."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone().requires_grad_(obj.requires_grad)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(fresh_copy(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: fresh_copy(v) for k, v in obj.items()}
-    return obj
+    return map_tensors(obj, lambda t: t.detach().clone().requires_grad_(t.requires_grad))
 
 
 def to_device(obj: Any, dev: torch.device) -> Any:
     """``obj`` with its tensors on ``dev`` (tensors already there are returned as they are)."""
-    if isinstance(obj, torch.Tensor):
-        return obj if _same_device(obj.device, dev) else obj.to(dev)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(o, dev) for o in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, dev) for k, v in obj.items()}
-    return obj
+    return map_tensors(obj, lambda t: t if _same_device(t.device, dev) else t.to(dev))
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -1,5 +1,6 @@
 """Allocation tracking: how many bytes tensors hold, and the current / peak bytes allocated while code runs.
 
+- :func:`tensors` / :func:`map_tensors` walk the tensors inside nested tuples / lists / dicts.
 - :func:`nbytes` counts the bytes held by the tensors inside a (nested) output, each storage once.
 - :class:`AllocationTracker` is a ``TorchDispatchMode`` that sees every ATen op (forward and backward), notes each
   storage an op creates, and follows it with a weak reference until it is freed — the approach of PyTorch's
@@ -13,14 +14,15 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["tensors", "storage_of", "storages", "nbytes", "AllocationTracker", "MemoryMeter"]
+__all__ = ["tensors", "map_tensors", "cuda_devices", "storage_of", "storages", "nbytes", "AllocationTracker",
+           "MemoryMeter"]
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:
@@ -32,6 +34,22 @@ def tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, Mapping):
         return [t for o in obj.values() for t in tensors(o)]
     return []
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with every tensor ``t`` inside nested tuples / lists / dicts replaced by ``fn(t)``."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, Mapping):  # as in tensors(): what is counted is also what is copied or moved
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def cuda_devices(obj: Any) -> list[int]:
+    """The indices of the CUDA devices the tensors in ``obj`` are on (what ``torch.random.fork_rng`` needs)."""
+    return sorted({t.device.index or 0 for t in tensors(obj) if t.device.type == "cuda"})
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:

@@ -77,13 +77,17 @@ def _layers(width: int, blocks: tuple[int, ...]) -> list[tuple[str, nn.Sequentia
     return layers
 
 
+def _check_heads(dim: int, heads: int) -> None:
+    if heads < 1 or dim % heads:
+        raise HChainError(f"dim={dim} must be a multiple of heads={heads}; choose heads among the divisors of dim")
+
+
 class CausalSelfAttentionBlock(nn.Module):
     """Pre-LayerNorm transformer block: causal multi-head attention and an MLP, both residual, with dropout."""
 
     def __init__(self, dim: int, heads: int, seq: int, dropout: float):
         super().__init__()
-        if dim % heads:
-            raise HChainError(f"dim={dim} must be a multiple of heads={heads}")
+        _check_heads(dim, heads)
         self.heads = heads
         self.ln1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
@@ -259,6 +263,7 @@ class GPTBlock(nn.Module):
 
     def __init__(self, dim: int, heads: int, seq: int, dropout: float):
         super().__init__()
+        _check_heads(dim, heads)
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)

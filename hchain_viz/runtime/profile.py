@@ -22,7 +22,6 @@ as in training after the first step, so accumulating into it is measured as a tr
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -31,8 +30,8 @@ from torch import nn
 
 from ..core.chain import Chain
 from ..errors import HChainError, NotSequentialError, ProfileError
-from .measure import LossFn, _timed, check_loss, default_loss, preserved_state, resolve_device, to_device
-from .memtrack import AllocationTracker, MemoryMeter, nbytes, storage_of, storages, tensors
+from .measure import LossFn, _shapes, _timed, default_loss, loss_of, preserved_state, resolve_device, to_device
+from .memtrack import AllocationTracker, MemoryMeter, map_tensors, nbytes, storage_of, storages, tensors
 from .stages import sequentialize
 
 __all__ = ["profile"]
@@ -109,7 +108,7 @@ class _StageProfile:
     def _input(self) -> Any:
         """A copy of the input, as a stage inside the chain receives it: a non-leaf when it requires grad, so
         in-place first ops are legal and the input gradient flows back to ``self.h``."""
-        return _map(self.h, lambda t: t.clone() if t.requires_grad else t.detach().clone())
+        return map_tensors(self.h, lambda t: t.clone() if t.requires_grad else t.detach().clone())
 
     def _forward(self, inp: Any) -> Any:
         try:
@@ -155,13 +154,10 @@ class _StageProfile:
         self.out_bytes = nbytes(out)
         self.next_input = _leaves(out)
         diff = [t for t in tensors(out) if t.requires_grad]
-        if self.loss_fn is not None and diff:
-            loss = self.loss_fn(out)
-            check_loss(loss)
-            self.grads = [g.detach() for g in torch.autograd.grad(loss, diff, allow_unused=True)]
-            self.grads = [torch.zeros_like(t) if g is None else g for g, t in zip(self.grads, diff)]
-        elif self.loss_fn is not None:
-            check_loss(self.loss_fn(out))  # raises: nothing requires grad
+        if self.loss_fn is not None:
+            loss = loss_of(self.loss_fn, out)  # raises when nothing requires grad
+            grads = torch.autograd.grad(loss, diff, allow_unused=True) if diff else ()
+            self.grads = [torch.zeros_like(t) if g is None else g.detach() for g, t in zip(grads, diff)]
         else:
             self.grads = [torch.ones_like(t) for t in diff]
 
@@ -207,25 +203,9 @@ class _StageProfile:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_map(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    return obj
-
-
 def _leaves(obj: Any) -> Any:
     """Detached tensors sharing storage with ``obj``'s, requiring grad where the originals did (new leaves)."""
-    return _map(obj, lambda t: t.detach().requires_grad_(t.requires_grad))
-
-
-def _shapes(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return list(obj.shape)
-    return [_shapes(t) for t in tensors(obj)]
+    return map_tensors(obj, lambda t: t.detach().requires_grad_(t.requires_grad))
 
 
 def _dtype_name(params: list[torch.Tensor], sample_input: Any) -> str:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import NotSequentialError, ProfileError
+from .memtrack import cuda_devices, map_tensors, tensors
 
 Stage = tuple[str, nn.Module]
 
@@ -207,29 +208,12 @@ def _fuse_marked(stages: list[Stage], marked: list[bool]) -> list[Stage]:
 
 
 # ---------------------------------------------------------------------------------------------- checking
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside nested tuples / lists / dicts."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, Mapping):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
-
-
-def _clone(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_clone(o) for o in obj)
-    if isinstance(obj, Mapping):
-        return {k: _clone(v) for k, v in obj.items()}
-    return obj
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
 
 
 def _same(a: Any, b: Any) -> bool:
-    ta, tb = _tensors(a), _tensors(b)
+    ta, tb = tensors(a), tensors(b)
     return len(ta) == len(tb) and all(
         x.shape == y.shape and x.dtype == y.dtype and torch.allclose(x.float(), y.float(), rtol=1e-4, atol=1e-5)
         for x, y in zip(ta, tb)
@@ -245,20 +229,20 @@ def _check_stages(model: Any, stages: list[Stage], sample_input: Any, *, compare
     """
     modules = [m for _, m in stages] + ([model] if isinstance(model, nn.Module) else [])
     restore = buffer_snapshot(modules)
-    devices = _cuda_devices(sample_input)
+    devices = cuda_devices(sample_input)
     try:
         with torch.no_grad():
             with torch.random.fork_rng(devices=devices):
-                h = _clone(sample_input)
+                h = map_tensors(sample_input, _clone)
                 inplace = []
                 for _, stage in stages:
-                    inputs = _tensors(h)
+                    inputs = tensors(h)
                     versions = [t._version for t in inputs]
                     h = stage(h)
                     inplace.append(any(t._version != v for t, v in zip(inputs, versions)))
             if compare:
                 with torch.random.fork_rng(devices=devices):
-                    reference = model(_clone(sample_input))
+                    reference = model(map_tensors(sample_input, _clone))
     except Exception as e:  # a shape / device / dtype mismatch of the user's input
         raise ProfileError(
             f"running the stages of {type(model).__name__} on the sample input failed ({type(e).__name__}: {e}); "
@@ -281,10 +265,6 @@ def buffer_snapshot(modules: list[nn.Module]) -> Callable[[], None]:
                 s._buffers[name] = b
 
     return restore
-
-
-def _cuda_devices(obj: Any) -> list[int]:
-    return sorted({t.device.index or 0 for t in _tensors(obj) if t.device.type == "cuda"})
 
 
 def _extract(model: Any, sample_input: Any, granularity: str | None, *, why: str) -> list[Stage]:

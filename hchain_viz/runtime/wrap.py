@@ -31,6 +31,7 @@ from ..core.chain import Chain
 from ..core.schedule import Schedule
 from ..core.simulate import simulate
 from ..errors import HChainError, InvalidSchedule, NotSequentialError
+from .memtrack import cuda_devices
 from .stages import sequentialize
 
 __all__ = ["wrap", "ScheduledModule"]
@@ -79,8 +80,8 @@ class ScheduledModule(nn.Module):
         self.model = model
         self.schedule = _as_schedule(schedule)
         self.preserve_rng_state = bool(preserve_rng_state)
-        self.length = _check_grammar(self.schedule)
-        self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length)
+        self.length, events = _check_grammar(self.schedule)
+        self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length, events)
         self.stages: list[tuple[str, nn.Module]] | None = None
         self._stage_modules: list[nn.Module] = []
         self._stage_buffers: list[list[tuple[nn.Module, str]]] = []
@@ -172,7 +173,7 @@ class _Step:
         self.out: Any = None
         self.out_spec: Any = None
         self.group_delta: list[torch.Tensor | None] = []  # δ_k of the group being back-propagated
-        self.devices = sorted({t.device.index or 0 for t in _flatten(x0)[0] if t.device.type == "cuda"})
+        self.devices = cuda_devices(x0)
         self.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
         self.autocast_cache = torch.is_autocast_cache_enabled()
 
@@ -443,16 +444,16 @@ def _as_schedule(schedule: Any) -> Schedule:
     raise InvalidSchedule(f"wrap() needs a Schedule (or its text like 'Fall0 Loss B0'), got {type(schedule).__name__}")
 
 
-def _check_grammar(schedule: Schedule) -> int:
-    """The schedule's stage count L (its Loss op), after checking its grammar on a dummy chain of that length."""
+def _check_grammar(schedule: Schedule) -> tuple[int, list]:
+    """The schedule's stage count L (its Loss op) and its simulated events on a dummy chain of that length
+    (simulating checks the grammar)."""
     losses = [op.stage for op in schedule.ops if op.kind == "Loss"]
     if len(losses) != 1:
         raise InvalidSchedule(f"a schedule has exactly one Loss op; this one has {len(losses)} ({schedule!r})")
     L = losses[0]
     if L < 1:
         raise InvalidSchedule("the schedule has no forward op before its Loss; it is for a chain of no stages")
-    simulate(Chain.homogeneous(L), schedule)  # raises InvalidSchedule naming the first bad op
-    return L
+    return L, simulate(Chain.homogeneous(L), schedule).events  # raises InvalidSchedule naming the first bad op
 
 
 def _length_mismatch(schedule: Schedule, L: int, stages: list[tuple[str, nn.Module]], model: nn.Module) -> HChainError:
@@ -464,9 +465,10 @@ def _length_mismatch(schedule: Schedule, L: int, stages: list[tuple[str, nn.Modu
     )
 
 
-def _compile(schedule: Schedule, L: int) -> tuple[list[_Op], list[_Op], list[int]]:
+def _compile(schedule: Schedule, L: int, events: list) -> tuple[list[_Op], list[_Op], list[int]]:
     """Split the ops at Loss; give each forward its role (_ONLY, _FIRST, _REPLAY) and say whether a Fall joins the
-    graph of the stage before it. Also, per stage i, the first stage k of the group B(i) belongs to.
+    graph of the stage before it (``events``: the schedule's simulated events, for what is resident before each op).
+    Also, per stage i, the first stage k of the group B(i) belongs to.
 
     Fall(i) joins stage i-1's graph when it reads x_i from inside x̄_i (not from a plain checkpoint) and B(i-1)
     comes right after B(i): then nothing needs δ_i on its own, and one backward runs both stages.
@@ -476,7 +478,6 @@ def _compile(schedule: Schedule, L: int) -> tuple[list[_Op], list[_Op], list[int
         if op.is_forward:
             runs[op.stage] = runs.get(op.stage, 0) + 1
     b_pos = {op.stage: n for n, op in enumerate(schedule.ops) if op.kind == "B"}
-    events = simulate(Chain.homogeneous(L), schedule).events
     seen: set[int] = set()
     ops: list[_Op] = []
     joined_stages: set[int] = set()
