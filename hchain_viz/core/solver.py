@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import HChainError, InfeasibleBudget, InvalidChain
+from ..errors import DependencyError, HChainError, InfeasibleBudget, InvalidChain
 from .chain import Chain
 from .schedule import Op, Schedule
 from .simulate import simulate
@@ -334,7 +334,11 @@ _compiled: dict[str, Any] = {}
 def _kernels() -> dict[str, Any]:
     """Compile (or load from Numba's on-disk cache) the kernels on first use."""
     if not _compiled:
-        import numba
+        try:
+            import numba
+        except ImportError:
+            raise DependencyError("the solver needs Numba: pip install numba (it comes with pip install hchain_viz)") \
+                from None
 
         # Callees first: a kernel resolves the helpers it calls through the module globals when it compiles.
         g = globals()
