@@ -272,3 +272,25 @@ def test_traced_model_reuses_its_extracted_stages_without_a_sample():
     again = sequentialize(model)  # e.g. wrap(model, schedule) after profile(model, x)
     assert [n for n, _ in again] == [n for n, _ in traced]
     assert all(m1 is m2 for (_, m1), (_, m2) in zip(again, traced))
+
+
+def test_look_alike_needs_a_checked_forward_before_it_is_trusted_without_a_sample():
+    torch.manual_seed(0)
+    model, x = FakeVGG(), torch.randn(2, 3, 16, 16)
+    with pytest.raises(NotSequentialError, match="sample input"):
+        sequentialize(model)  # attribute names alone could train a different computation
+    checked = sequentialize(model, x)
+    assert names(sequentialize(model)) == names(checked)  # e.g. wrap(model, schedule) after profile(model, x)
+
+
+def test_look_alike_with_another_forward_reuses_its_traced_stages():
+    torch.manual_seed(0)
+    model, x = LooksLikeResNet(), torch.randn(2, 3, 8, 8)
+    with pytest.raises(NotSequentialError, match="sample input"):
+        sequentialize(model)
+    traced = sequentialize(model, x)  # the duck stages do not reproduce it: graph extraction
+    again = sequentialize(model)
+    assert names(again) == names(traced) and all(a is b for (_, a), (_, b) in zip(again, traced))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(run(again, x), model(x))

@@ -21,6 +21,7 @@ its input is the predecessor's private output then, never a checkpoint someone e
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +32,9 @@ from ..errors import NotSequentialError, ProfileError
 from .memtrack import cuda_devices, map_tensors, tensors
 
 Stage = tuple[str, nn.Module]
+
+# Look-alike models (torchvision-style by attribute names) whose stages were seen to reproduce the model's output.
+_VERIFIED: weakref.WeakSet = weakref.WeakSet()
 
 __all__ = ["sequentialize", "Stage", "fuse", "buffer_snapshot"]
 
@@ -45,14 +49,15 @@ def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | in
     functional glue of torchvision models (``flatten``) are new parameter-free wrappers.
     """
     stages, kind = _structural_stages(model)
+    if sample_input is None and kind not in ("sequential", "list"):
+        # A model profiled before (profile(model, x)) keeps its extracted stages: the same cut as the profile.
+        from .graph import cached_stages
+
+        cached = cached_stages(model) if granularity is None else cached_stages(model, granularity)
+        if cached is not None:
+            return cached
     if stages is None:
         if sample_input is None:
-            # A model profiled before (profile(model, x)) keeps its extracted stages: the same cut as the profile.
-            from .graph import cached_stages
-
-            cached = cached_stages(model) if granularity is None else cached_stages(model, granularity)
-            if cached is not None:
-                return cached
             raise NotSequentialError(
                 f"cannot split a {type(model).__name__} into a chain automatically: it is not an nn.Sequential, a "
                 f"list of modules, or a torchvision-style ResNet/VGG/DenseNet. Either pass the stages yourself, as "
@@ -64,14 +69,30 @@ def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | in
         raise NotSequentialError(
             f"the {type(model).__name__} has no modules; a chain needs at least one stage"
         )
+    if kind == "duck" and sample_input is None and not (_trusted(model) or model in _VERIFIED):
+        # Matching attribute names say nothing about forward(): running these stages could silently train a
+        # different computation. Only a sample input can show that they reproduce the model.
+        raise NotSequentialError(
+            f"{type(model).__name__} looks like a torchvision model by its attributes, but nothing has checked that "
+            f"its forward() runs them in that order; pass a sample input (sequentialize(model, x)), or profile it "
+            f"first (hcv.profile(model, x) before hcv.wrap), so the stages can be checked against the model"
+        )
     stages = _fuse_marked(stages, [_declares_inplace(m) for _, m in stages])
     if sample_input is not None:
         reproduces, inplace = _check_stages(model, stages, sample_input, compare=kind == "duck")
         if not reproduces:
             return _extract(model, sample_input, granularity,
                             why=f"it looks like a torchvision {type(model).__name__} but its forward() differs")
+        if kind == "duck":
+            _VERIFIED.add(model)
         stages = _fuse_marked(stages, inplace)
     return stages
+
+
+def _trusted(model: nn.Module) -> bool:
+    """Classes whose forward() is known to run their stages in order: torchvision's and our demo models'."""
+    module = type(model).__module__
+    return module.split(".")[0] == "torchvision" or module == "hchain_viz.runtime.models"
 
 
 # ---------------------------------------------------------------------------------------------- recognition
