@@ -110,3 +110,8 @@ def test_unknown_demo():
 def test_heads_must_divide_dim(name, heads):
     with pytest.raises(HChainError, match="multiple of heads"):
         models.demo_model(name, **{**SMALL[name], "heads": heads})
+
+
+def test_unknown_demo_option_names_the_accepted_ones():
+    with pytest.raises(HChainError, match=r"no option\(s\) widht.*width"):
+        models.demo_model("resnet_chain", widht=8)

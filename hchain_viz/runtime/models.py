@@ -17,6 +17,7 @@ model (DESIGN §3) does not describe.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -327,4 +328,10 @@ def demo_model(name: str | None = None, **kwargs: Any) -> Demo:
     name = DEFAULT_DEMO if name is None else name
     if name not in DEMOS:
         raise HChainError(f"unknown demo model {name!r}; choose one of: {', '.join(DEMOS)}")
-    return DEMOS[name](**kwargs)
+    build = DEMOS[name]
+    accepted = inspect.signature(build).parameters
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise HChainError(f"demo model {name!r} has no option(s) {', '.join(unknown)}; it takes: "
+                          f"{', '.join(accepted)}")
+    return build(**kwargs)
