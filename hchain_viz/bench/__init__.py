@@ -33,3 +33,17 @@ def run(name: str, args: list[str]) -> None:
     if name not in BENCHMARKS:
         raise HChainError(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
     importlib.import_module(f".{name}", __name__).run(list(args))
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts (rounds, repeats, changes): a whole number of at least 1."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is too small; give 1 or more")
+    return value
+

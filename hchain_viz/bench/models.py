@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import print_table
+from . import positive_int, print_table
 
 ALL = ("resnet_skip", "nanogpt", "gpt2", "resnet18", "densenet121")
 
@@ -35,8 +35,8 @@ def run(args: list[str]) -> None:
     """Print one row per model: stages, tracer, extraction time, gain over checkpoint_sequential."""
     parser = argparse.ArgumentParser(prog="hchain_viz bench models", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(ALL), help="comma-separated, from: " + ", ".join(ALL))
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median taken)")
-    parser.add_argument("--budgets", type=int, default=4, help="evenly spaced optimal budgets besides the "
+    parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds (median taken)")
+    parser.add_argument("--budgets", type=positive_int, default=4, help="evenly spaced optimal budgets besides the "
                                                                "checkpoint_sequential peaks")
     parser.add_argument("--no-train", action="store_true", help="extraction only (skip the training comparison)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import print_table
+from . import positive_int, print_table
 
 
 def run(args: list[str]) -> None:
@@ -27,7 +27,7 @@ def run(args: list[str]) -> None:
 
     parser = argparse.ArgumentParser(prog="hchain_viz bench profile", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(models.DEMOS), help="comma-separated demo names")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats, for profiling and measuring")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed repeats, for profiling and measuring")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
     parser.add_argument("--device", default="cpu")
     opts = parser.parse_args(args)

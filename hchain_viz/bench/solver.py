@@ -74,6 +74,8 @@ def run(args: list[str]) -> None:
             reps = int(args[args.index("--reps") + 1])
         except (IndexError, ValueError):
             raise HChainError("--reps needs a whole number, like --reps 5") from None
+        if reps < 1:
+            raise HChainError(f"--reps {reps} is too small; give 1 or more")
     unknown = [a for a in args if a not in ("--quick", "--reps", str(reps))]
     if unknown:
         raise HChainError(f"unknown option(s) {unknown}; the solver benchmark takes --quick and --reps N")

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from . import print_table
+from . import positive_int, print_table
 
 
 def run(args: list[str]) -> None:
@@ -45,7 +45,7 @@ def run(args: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="hchain_viz bench train", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet_chain,transformer_chain,mlp_chain",
                         help="comma-separated demo names")
-    parser.add_argument("--rounds", type=int, default=9, help="interleaved timing rounds (median taken)")
+    parser.add_argument("--rounds", type=positive_int, default=9, help="interleaved timing rounds (median taken)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
     parser.add_argument("--small", action="store_true", help="smaller models, fewer rounds (a quick check)")
     opts = parser.parse_args(args)

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from . import print_table
+from . import positive_int, print_table
 
 GOALS_MS = {50: 30.0, 200: 100.0}
 
@@ -23,8 +23,8 @@ def run(args: list[str]) -> None:
     """Print one row per chain length: cold start, op count, and the budget-change times (median, p90, max)."""
     p = argparse.ArgumentParser(prog="python -m hchain_viz bench widget", description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="50,200", help="comma-separated chain lengths (default 50,200)")
-    p.add_argument("--changes", type=int, default=30, help="budget changes measured per length (default 30)")
-    p.add_argument("--slots", type=int, default=500, help="DP memory resolution (default 500)")
+    p.add_argument("--changes", type=positive_int, default=30, help="budget changes measured per length (default 30)")
+    p.add_argument("--slots", type=positive_int, default=500, help="DP memory resolution (default 500)")
     p.add_argument("--baselines", action="store_true",
                    help="draw the baselines' frontiers too (static, not redrawn on a budget change; slow to "
                         "compute at L=200)")
