@@ -11,9 +11,10 @@ Also home of the project-wide loss convention: ``loss_fn(output) -> scalar tenso
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,13 +91,9 @@ def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None,
     input_bytes = nbytes(sample_input)
 
     def step(x: Any) -> None:
-        try:
+        with user_code(lambda e: f"the {type(module).__name__} failed on the sample input ({type(e).__name__}: "
+                                 f"{e}); check the input's shape, dtype and device against the model"):
             out = module(x)
-        except (HChainError, torch.cuda.OutOfMemoryError):
-            raise
-        except Exception as e:
-            raise ProfileError(f"the {type(module).__name__} failed on the sample input ({type(e).__name__}: {e}); "
-                               f"check the input's shape, dtype and device against the model") from e
         loss_of(loss_fn, out).backward()
 
     times: list[float] = []
@@ -145,16 +142,23 @@ def _timed(fn: Callable[[], Any], dev: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def loss_of(loss_fn: LossFn, output: Any) -> torch.Tensor:
-    """``loss_fn(output)``, checked by :func:`check_loss`; an exception inside ``loss_fn`` becomes a ProfileError."""
+@contextlib.contextmanager
+def user_code(describe: Callable[[Exception], str]) -> Iterator[None]:
+    """Run the user's model, stage or loss: its own exceptions become a ProfileError with ``describe(e)`` (what to
+    check); our errors and out-of-memory pass through unchanged, since blaming the input would mislead."""
     try:
-        loss = loss_fn(output)
+        yield
     except (HChainError, torch.cuda.OutOfMemoryError):
         raise
     except Exception as e:
-        raise ProfileError(f"loss_fn(output) failed ({type(e).__name__}: {e}); it must take the model's output "
-                           f"(here {_shapes(output)}) and return a scalar tensor, with any targets closed over") \
-            from e
+        raise ProfileError(describe(e)) from e
+
+
+def loss_of(loss_fn: LossFn, output: Any) -> torch.Tensor:
+    """``loss_fn(output)``, checked by :func:`check_loss`; an exception inside ``loss_fn`` becomes a ProfileError."""
+    with user_code(lambda e: f"loss_fn(output) failed ({type(e).__name__}: {e}); it must take the model's output "
+                             f"(here {_shapes(output)}) and return a scalar tensor, with any targets closed over"):
+        loss = loss_fn(output)
     check_loss(loss)
     return loss
 

@@ -29,8 +29,18 @@ import torch
 from torch import nn
 
 from ..core.chain import Chain
-from ..errors import HChainError, NotSequentialError, ProfileError
-from .measure import LossFn, _shapes, _timed, default_loss, loss_of, preserved_state, resolve_device, to_device
+from ..errors import NotSequentialError, ProfileError
+from .measure import (
+    LossFn,
+    _shapes,
+    _timed,
+    default_loss,
+    loss_of,
+    preserved_state,
+    resolve_device,
+    to_device,
+    user_code,
+)
 from .memtrack import AllocationTracker, MemoryMeter, map_tensors, nbytes, storage_of, storages, tensors
 from .stages import sequentialize
 
@@ -111,13 +121,8 @@ class _StageProfile:
         return map_tensors(self.h, lambda t: t.clone() if t.requires_grad else t.detach().clone())
 
     def _forward(self, inp: Any) -> Any:
-        try:
+        with user_code(lambda e: f"stage {self.name!r} failed on its input {_shapes(inp)}: {type(e).__name__}: {e}"):
             out = self.stage(inp)
-        except HChainError:
-            raise
-        except Exception as e:
-            raise ProfileError(f"stage {self.name!r} failed on its input {_shapes(inp)}: {type(e).__name__}: {e}") \
-                from e
         if not tensors(out):
             raise ProfileError(f"stage {self.name!r} returned {type(out).__name__}, which holds no tensor; every "
                                f"stage must return a tensor or a tuple of tensors")
