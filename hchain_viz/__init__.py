@@ -25,6 +25,7 @@ from .core.solver import Solution, optimal_schedule, solve
 from .core.units import format_bytes, format_time, parse_bytes
 from .errors import (
     DependencyError,
+    DoesNotFit,
     HChainError,
     InfeasibleBudget,
     InvalidChain,
@@ -53,7 +54,7 @@ __all__ = [
     "Chain", "Schedule", "Op", "Trace", "Solution", "simulate", "solve", "optimal_schedule", "strategies",
     "format_bytes", "format_time", "parse_bytes",
     "HChainError", "InvalidChain", "InvalidSchedule", "InfeasibleBudget", "NotSequentialError", "ProfileError",
-    "DependencyError", *_LAZY,
+    "DependencyError", "DoesNotFit", *_LAZY,
 ]
 
 
