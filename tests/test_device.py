@@ -196,3 +196,13 @@ def test_fit_point_optimal_is_never_slower_than_the_baselines_when_they_fit():
     cs = sweep["checkpoint_sequential"][0]
     assert cs.schedule.meta["strategy"] == "periodic"
     assert cs.schedule.ops in {periodic(c.at_batch(4), n).ops for n in range(1, 7)}
+
+
+def test_fit_scales_shared_tensors_with_the_batch():
+    _, at = linear_chains()
+    chains = {b: dataclasses.replace(at(b), x=[max(v, 100 * b) for v in at(b).x],
+                                     xbar=[max(v, 100 * b) for v in at(b).xbar], shared=((1, 3, 100 * b),))
+              for b in (8, 16)}
+    c = fit_batch(chains)
+    assert c.at_batch(32).shared == ((1, 3, 3200),)
+    assert Chain.from_json(c.to_json()).at_batch(4).shared == ((1, 3, 400),)

@@ -30,7 +30,8 @@ class BatchFit:
 
     - ``batch``: the batch size the chain carrying this fit is at.
     - ``sizes``: the batch sizes profiled for the fit.
-    - ``coef``: ``((field, intercepts, slopes), ...)`` for each of :data:`FIELDS`, one pair per entry.
+    - ``coef``: ``((field, intercepts, slopes), ...)`` for each of :data:`FIELDS`, one pair per entry; and
+      ``"shared"`` for the bytes of the chain's shared tensors (DESIGN §8) when it has any.
     """
 
     batch: int
@@ -42,9 +43,10 @@ class BatchFit:
         set_(self, "batch", check_batch(self.batch))
         set_(self, "sizes", tuple(check_batch(b) for b in self.sizes))
         coef = tuple((str(f), tuple(float(v) for v in a), tuple(float(v) for v in s)) for f, a, s in self.coef)
-        if sorted(f for f, _, _ in coef) != sorted(FIELDS):
-            raise InvalidChain(f"batch_fit.coef must give the fields {', '.join(FIELDS)}, got "
-                               f"{', '.join(f for f, _, _ in coef)}")
+        given = sorted(f for f, _, _ in coef if f != "shared")
+        if given != sorted(FIELDS):
+            raise InvalidChain(f"batch_fit.coef must give the fields {', '.join(FIELDS)} (and optionally 'shared'), "
+                               f"got {', '.join(f for f, _, _ in coef)}")
         for f, a, s in coef:
             if len(a) != len(s) or not all(map(math.isfinite, a + s)):
                 raise InvalidChain(f"batch_fit.coef[{f!r}] needs finite intercepts and slopes of equal length")
@@ -89,11 +91,16 @@ def fit_batch(chains: dict[int, Chain], *, batch: int | None = None) -> Chain:
         if chains[b].names != first.names:
             raise HChainError(f"the chain profiled at batch {b} has stages {chains[b].names}, unlike the one at batch "
                               f"{sizes[0]} ({first.names}); the model must cut into the same stages at every size")
+        if [t[:2] for t in chains[b].shared] != [t[:2] for t in first.shared]:
+            raise HChainError(f"the chain profiled at batch {b} has other shared tensors than the one at batch "
+                              f"{sizes[0]}; the model must cut the same way at every size")
     design = np.stack([np.ones(len(sizes)), np.asarray(sizes, dtype=np.float64)], axis=1)
+    values = {f: [getattr(chains[b], f) for b in sizes] for f in FIELDS}
+    if first.shared:
+        values["shared"] = [[t[2] for t in chains[b].shared] for b in sizes]
     coef = []
-    for f in FIELDS:
-        values = np.asarray([getattr(chains[b], f) for b in sizes], dtype=np.float64)  # (sizes, entries)
-        (a, s), *_ = np.linalg.lstsq(design, values, rcond=None)
+    for f, v in values.items():
+        (a, s), *_ = np.linalg.lstsq(design, np.asarray(v, dtype=np.float64), rcond=None)  # v: (sizes, entries)
         coef.append((f, tuple(a.tolist()), tuple(s.tolist())))
     fit = BatchFit(batch=sizes[0], sizes=tuple(sizes), coef=tuple(coef))
     return at_batch(replace(first, batch_fit=fit), sizes[0] if batch is None else batch)
@@ -109,7 +116,10 @@ def at_batch(chain: Chain, batch: int) -> Chain:
     v = chain.batch_fit.values(b)
     x = [_whole(s) for s in v["x"]]
     xbar = [max(_whole(s), x[i + 1]) for i, s in enumerate(v["xbar"])]
-    return replace(chain, fwd_time=v["fwd_time"], bwd_time=v["bwd_time"], x=x, xbar=xbar,
+    shared = chain.shared
+    if "shared" in v:  # a shared tensor is part of every x it crosses: never larger than the smallest of them
+        shared = tuple((f, la, min(_whole(s), *x[f:la + 1])) for (f, la, _), s in zip(chain.shared, v["shared"]))
+    return replace(chain, fwd_time=v["fwd_time"], bwd_time=v["bwd_time"], x=x, xbar=xbar, shared=shared,
                    fwd_tmp=[_whole(s) for s in v["fwd_tmp"]], bwd_tmp=[_whole(s) for s in v["bwd_tmp"]],
                    batch_fit=replace(chain.batch_fit, batch=b))
 
