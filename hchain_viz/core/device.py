@@ -80,8 +80,16 @@ def device_peak(trace: Trace) -> int | None:
     grads = 0
     peak = static + trace.initial_memory
     for e in trace.events:
-        if e.op.kind == "B":  # the stage's gradients appear during its backward
-            grads += fixed.stage_grad_per_rank(e.op.stage)
+        if e.op.kind == "B":
+            # The stage's parameter gradients appear during its backward. The profile measured bwd_tmp with the
+            # gradients already allocated, where each weight gradient is a temporary added into .grad; after
+            # zero_grad() autograd keeps that same tensor as .grad. So the backward's transient and its new
+            # gradients overlap: the op peaks at the larger of the two, and the gradients stay.
+            g = fixed.stage_grad_per_rank(e.op.stage)
+            tmp = trace.chain.bwd_tmp[e.op.stage]
+            peak = max(peak, static + grads + e.mem_peak - tmp + max(tmp, g))
+            grads += g
+            continue
         peak = max(peak, static + grads + e.mem_peak)
     end = trace.events[-1].mem_after if trace.events else trace.initial_memory
     return max(peak, static + fixed.grads_per_rank + end + fixed.step_tmp_per_rank)
