@@ -6,6 +6,7 @@ round-trips through JSON so a profile taken on a GPU machine can be explored any
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,6 +22,33 @@ from .fixed import FixedMemory
 from .units import format_bytes, format_time
 
 CHAIN_FORMAT = "hchain-chain/1"
+
+# Device–host links, bytes/s each way: the nominal rates of the specifications (measured pinned copies reach about
+# 80% of them on PCIe). NVLink-C2C is Grace–Hopper's 900 GB/s total, 450 GB/s each way.
+BANDWIDTH_PRESETS: dict[str, float] = {
+    "pcie4": 32e9,  # PCIe 4.0 x16
+    "pcie5": 64e9,  # PCIe 5.0 x16
+    "nvlink-c2c": 450e9,  # NVLink-C2C (Grace–Hopper)
+}
+BANDWIDTH_LABELS: dict[str, str] = {"pcie4": "PCIe 4.0 x16", "pcie5": "PCIe 5.0 x16", "nvlink-c2c": "NVLink-C2C"}
+
+
+def bandwidth_of(value: float | str) -> float:
+    """Bytes/s from a positive number or a preset name (``"pcie4"``, ``"PCIe 5.0 x16"``, ``"nvlink-c2c"``)."""
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for name, label in BANDWIDTH_LABELS.items():
+            if key in (name, label.lower()):
+                return BANDWIDTH_PRESETS[name]
+        raise InvalidChain(f"unknown bandwidth preset {value!r}; use one of {', '.join(BANDWIDTH_PRESETS)} or a "
+                           f"number of bytes/s")
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise InvalidChain(f"bandwidth must be bytes/s (a positive number) or a preset name, got {value!r}") from None
+    if isinstance(value, bool) or not (f > 0) or math.isinf(f):
+        raise InvalidChain(f"bandwidth must be a positive, finite number of bytes/s, got {value!r}")
+    return f
 
 
 @dataclass(frozen=True)
@@ -41,6 +69,9 @@ class Chain:
       With it, ``simulate(...).device_peak`` predicts the whole step's device memory.
     - ``batch_fit`` (optional): the fields as functions of the batch size (:class:`~hchain_viz.core.batch.BatchFit`),
       so :meth:`at_batch` gives the chain at another batch size.
+    - ``bandwidth``: bytes/s of the device–host link *each way* (for ``Off``/``Pre`` ops, DESIGN §9), or None when
+      no link is modelled. The link is modelled full duplex: offloads and prefetches each have their own channel
+      at this rate and never slow each other. Presets in :data:`BANDWIDTH_PRESETS`; see :meth:`with_bandwidth`.
 
     Structure of transformer-like chains (all optional; DESIGN §8):
 
@@ -63,6 +94,7 @@ class Chain:
     bwd_tmp: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
     names: tuple[str, ...] = None  # type: ignore[assignment]  # default: "stage0", "stage1", ...
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    bandwidth: float | None = None
     groups: tuple[tuple[str, int, int], ...] = ()
     tags: tuple[str, ...] = None  # type: ignore[assignment]  # default: "" for every stage
     shared: tuple[tuple[int, int, int], ...] = ()
@@ -90,6 +122,8 @@ class Chain:
         if len(names) != L:
             raise InvalidChain(f"names has {len(names)} entries but the chain has {L} stages; give one name per stage")
         set_(self, "names", names)
+        if self.bandwidth is not None:
+            set_(self, "bandwidth", bandwidth_of(self.bandwidth))
         bad = [i for i in range(L) if self.xbar[i] < self.x[i + 1]]
         if bad:
             i = bad[0]
@@ -159,11 +193,18 @@ class Chain:
                                "(hcv.profile(model, x, loss_fn, optimizer=opt)) before sharding it")
         return replace(self, fixed=self.fixed.with_world_size(world_size))
 
+    def with_bandwidth(self, bandwidth: float | str | None) -> Chain:
+        """The same chain with a device–host link of ``bandwidth`` bytes/s each way, or a preset name from
+        :data:`BANDWIDTH_PRESETS` (``"pcie4"``, ``"pcie5"``, ``"nvlink-c2c"``); None removes the link."""
+        return dataclasses.replace(self, bandwidth=None if bandwidth is None else bandwidth_of(bandwidth))
+
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         d = {"format": CHAIN_FORMAT}
         for k in ("names", "fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp"):
             d[k] = list(getattr(self, k))
+        if self.bandwidth is not None:
+            d["bandwidth"] = self.bandwidth
         if self.groups:
             d["groups"] = [list(g) for g in self.groups]
         if any(self.tags):
@@ -194,6 +235,7 @@ class Chain:
             fwd_tmp=d.get("fwd_tmp"), bwd_tmp=d.get("bwd_tmp"), names=d.get("names"), meta=d.get("meta", {}),
             fixed=None if d.get("fixed") is None else FixedMemory.from_dict(d["fixed"]),
             batch_fit=None if d.get("batch_fit") is None else BatchFit.from_dict(d["batch_fit"]),
+            bandwidth=d.get("bandwidth"),
             groups=d.get("groups", ()), tags=d.get("tags"), shared=d.get("shared", ()),
         )
 

@@ -91,7 +91,8 @@ def device_peak(trace: Trace) -> int | None:
             grads += g
             continue
         peak = max(peak, static + grads + e.mem_peak)
-    end = trace.events[-1].mem_after if trace.events else trace.initial_memory
+    # what the last compute op leaves (the input, the held output, the input gradient); offloads only lower it
+    end = next((e.mem_after for e in reversed(trace.events) if not e.op.is_transfer), trace.initial_memory)
     return max(peak, static + fixed.grads_per_rank + end + fixed.step_tmp_per_rank)
 
 
@@ -99,7 +100,7 @@ def optimizer_step_peak(chain: Chain) -> int:
     """Device memory during ``optimizer.step()``: independent of the schedule (every schedule ends in the same
     state: the input, the held output and the input gradient)."""
     fixed = _fixed_of(chain)
-    end = simulate(chain, store_all(chain)).events[-1].mem_after
+    end = simulate(chain, store_all(chain)).events[-1].mem_after  # store-all ends with its backward B0
     return fixed.total_per_rank + end + fixed.step_tmp_per_rank
 
 
