@@ -39,6 +39,7 @@ __version__ = "0.1.0"
 # Heavy parts (torch, plotly, ipywidgets) load on first attribute access, keeping `import hchain_viz` light.
 _LAZY = {
     "profile": ("runtime.profile", "profile"),
+    "profile_batches": ("runtime.batch", "profile_batches"),
     "measure": ("runtime.measure", "measure"),
     "Measurement": ("runtime.measure", "Measurement"),
     "sequentialize": ("runtime.stages", "sequentialize"),

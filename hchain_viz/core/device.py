@@ -145,31 +145,19 @@ def device_schedule(solution: Solution, device_memory: int | str, margin: float 
         return Schedule(s.ops, {**s.meta, **meta})
     lo = activation_budget(chain, device_memory, margin, solution)  # safe: all gradients resident throughout
     hi = min(usable - chain.fixed.static_per_rank, solution.max_budget)  # no activation peak above this can fit
-    best, best_t = None, math.inf
-
-    def consider(budget: int) -> bool:
-        nonlocal best, best_t
+    # The gradients appear stage by stage during the backward, so schedules above the safe budget ``lo`` may still
+    # fit: walk the DP's frontier from the fastest budget below ``hi`` down to ``lo``, and take the first whose exact
+    # whole-step peak fits (at ``lo`` and below every schedule fits, so the walk stops there).
+    best = None
+    candidates = [b for b, _ in solution.frontier() if lo < b <= hi][::-1] + [lo]
+    for budget in candidates:
         try:
             s = solution.schedule(budget)
         except InfeasibleBudget:
-            return False
-        t = simulate(chain, s)
-        if device_peak(t) > usable:
-            return False
-        if t.makespan < best_t:
-            best, best_t = s, t.makespan
-        return True
-
-    consider(lo)
-    # The gradients appear stage by stage during the backward, so a larger activation budget often still fits:
-    # bisect between the safe budget and the bound on the exact whole-step peak.
-    a, b = lo, hi
-    while b - a > max(solution.unit, 1):
-        mid = (a + b) // 2
-        if consider(mid):
-            a = mid
-        else:
-            b = mid
+            continue
+        if device_peak(simulate(chain, s)) <= usable:
+            best = s
+            break
     if best is None:
         raise _does_not_fit(chain, device_memory, margin, "the smallest schedule", solution)
     return Schedule(best.ops, {**best.meta, **meta})
