@@ -128,6 +128,19 @@ def test_strategy_switch_and_overlay(ex, chain, solution):
         ex.strategy = "fastest"
 
 
+def test_compare_fills_a_row_that_is_always_there(ex):
+    """Turning compare on changes no height above the figures: the same table rows and note line either way."""
+    def shape(html):
+        return html.count("<tr"), html.count("hcv-note")
+
+    off = shape(ex._stats.value)
+    assert "compare: none" in ex._stats.value
+    ex.overlay = "sqrt_n"
+    assert shape(ex._stats.value) == off and "compare: none" not in ex._stats.value
+    ex.overlay = None
+    assert shape(ex._stats.value) == off
+
+
 def test_baseline_that_cannot_fit_is_shown_at_its_least_budget_with_a_note(ex, chain):
     ex.budget = ex.min_budget
     ex.strategy = "store_all"

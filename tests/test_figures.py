@@ -160,6 +160,25 @@ def test_memory_step_reveals_the_curve_up_to_the_cursor(traces):
         assert fig.layout.shapes[0].x0 == (trace.events[k - 1].end if k else 0.0)
     before_peak = F.memory_curve(trace, step=trace.peak_index)
     assert len(by_name(before_peak, "peak").y) == 0  # not revealed yet
+    assert before_peak.layout.annotations[0].visible is False  # nor its label
+
+
+def test_peak_label_sits_above_the_budget_line_and_points_at_the_peak(traces):
+    trace = traces["optimal_mid"]
+    for budget in (trace.peak_memory, trace.peak_memory * 3 // 2):  # a budget met exactly, and a looser one
+        fig = F.memory_curve(trace, budget=budget)
+        (label,) = fig.layout.annotations
+        p = trace.events[trace.peak_index]
+        assert (label.x, label.y) == (p.start, trace.peak_memory) and label.visible
+        assert label.text == f"peak {hcv.format_bytes(trace.peak_memory)}"
+        assert label.yanchor == "bottom" and budget < label.ay < fig.layout.yaxis.range[1]  # text above the line
+
+
+def test_memory_axis_spans_the_longer_of_the_two_compared_schedules(chain, solution):
+    view = TraceView.of(hcv.simulate(chain, solution.schedule(solution.store_all_peak)))
+    slow = TraceView.of(hcv.simulate(chain, strategies.recompute_all(chain)))
+    lay = F.memory_layout(view, solution.store_all_peak, overlay=slow)
+    assert lay["xaxis"]["range"][1] == slow.makespan > view.makespan
 
 
 # ---------------------------------------------------------------------------------------------- storage tape
@@ -216,6 +235,13 @@ def test_frontier_optimal_curve_is_the_solution(solution):
     lo, hi = fig.layout.yaxis.range
     assert fig.layout.yaxis2.range[0] == pytest.approx(100 * (lo / T - 1))
     assert fig.layout.yaxis2.range[1] == pytest.approx(100 * (hi / T - 1))
+    # round overhead ticks, none below 0%, inside the axis (plotly's own follow the left axis: 50.9%, -5.6%)
+    ticks = list(fig.layout.yaxis2.tickvals)
+    lo2, hi2 = fig.layout.yaxis2.range
+    assert ticks and all(t >= 0 and lo2 <= t <= hi2 for t in ticks)
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else 1.0
+    assert all(t / step == pytest.approx(round(t / step)) for t in ticks)
+    assert list(fig.layout.yaxis2.ticktext) == [f"{t:g}%" for t in ticks]
 
 
 def test_frontier_draws_every_baseline_and_marks_the_budget(solution):

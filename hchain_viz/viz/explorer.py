@@ -53,6 +53,12 @@ OPTIMAL = "optimal"
 # when the figures are built. Fewer keys per update is most of what keeps a budget change fast.
 _DYNAMIC_DATA = frozenset(("x", "y", "base", "customdata", "text", "marker.opacity", "name", "showlegend"))
 _CACHE_SIZE = 64  # (strategy, budget) -> view; a slider dragged back and forth hits it
+# The statistics table: numbers right-aligned under right-aligned heads, names left; one line kept for a note.
+_STATS_STYLE = ("<style>.hcv-stats{border-collapse:collapse;font-variant-numeric:tabular-nums}"
+                ".hcv-stats th,.hcv-stats td{text-align:right;padding:2px 8px;white-space:nowrap}"
+                ".hcv-stats th:first-child,.hcv-stats td:first-child{text-align:left;padding-left:0}"
+                ".hcv-stats .hcv-none td{color:#999;font-style:italic}"
+                ".hcv-note{color:#c00;height:1.4em;overflow:hidden;white-space:nowrap;text-overflow:ellipsis}</style>")
 # Explorers not yet closed, with the notebook cell that made each (None outside JupyterLab): a new explorer closes
 # the ones it replaces, so re-running a cell does not leave widgets alive in the kernel (and in a reloaded page).
 _OPEN: list[tuple[Explorer, str | None]] = []
@@ -446,13 +452,15 @@ class Explorer:
             f"<tr><td><b>{html.escape(name)}</b></td><td>{format_time(v.makespan)}</td>"
             f"<td>{100 * v.trace.overhead:+.1f}%</td><td>{format_bytes(v.peak)}</td>"
             f"<td>{v.trace.n_recomputed}</td><td>{v.n}</td></tr>" for name, v in rows)
+        if len(rows) == 1:  # the compare row is always there, so that turning compare on moves nothing
+            cells += "<tr class='hcv-none'><td>compare: none</td><td></td><td></td><td></td><td></td><td></td></tr>"
         over = self._view.peak > self._budget
         note = self._note or (f"peak exceeds the budget by {format_bytes(self._view.peak - self._budget)}"
                               if over else "")
         self._stats.value = (
-            "<table style='border-collapse:collapse' cellpadding='3'><tr><th>strategy</th><th>makespan</th>"
+            _STATS_STYLE + "<table class='hcv-stats'><tr><th>strategy</th><th>makespan</th>"
             "<th>overhead vs store-all</th><th>peak</th><th>recomputed forwards</th><th>ops</th></tr>"
-            f"{cells}</table>" + (f"<div style='color:#c00'>{html.escape(note)}</div>" if note else ""))
+            f"{cells}</table><div class='hcv-note'>{html.escape(note) or '&nbsp;'}</div>")
         self._draw_step_label()
 
 

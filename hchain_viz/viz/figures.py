@@ -38,7 +38,7 @@ __all__ = ["timeline", "memory_curve", "storage_tape", "frontier"]
 _FUTURE_OPACITY = 0.22  # ops after the step cursor are drawn faint
 # The layout keys a budget or step change may alter (title, axis ranges and ticks, the cursor); the explorer and the
 # HTML export resend only these.
-DYNAMIC_LAYOUT = ("title", "xaxis", "yaxis", "shapes")
+DYNAMIC_LAYOUT = ("title", "xaxis", "yaxis", "shapes", "annotations")
 
 
 def _view(trace: Trace | TraceView) -> TraceView:
@@ -164,7 +164,7 @@ def memory_traces(view: TraceView, budget: int | None = None, step: int | None =
         peak_pt = dict(x=[view.start[p]], y=[view.mem_peak[p]], text=[f"peak {format_bytes(view.mem_peak[p])}"])
     else:
         peak_pt = dict(x=[], y=[], text=[])
-    out.append(dict(type="scatter", mode="markers+text", name="peak", textposition="top center",
+    out.append(dict(type="scatter", mode="markers", name="peak",  # its label is memory_layout's annotation
                     marker=dict(color=style.PEAK_COLOR, size=9, symbol="triangle-down"), hoverinfo="text",
                     **peak_pt))
     t_end = max(view.makespan, overlay.makespan if overlay is not None else 0.0)
@@ -194,8 +194,20 @@ def memory_layout(view: TraceView, budget: int | None = None, step: int | None =
                             + ("" if budget is None else f" of {format_bytes(budget)} budget"))
     lay.update(yaxis=dict(style.byte_axis(0, top * 1.08), range=[0, top * 1.12]),
                xaxis=dict(style.TIME_AXIS, range=[0, t_end]), hovermode="closest",
-               shapes=_cursor_shapes(view, step))
+               shapes=_cursor_shapes(view, step), annotations=[_peak_label(view, step, top)])
     return lay
+
+
+def _peak_label(view: TraceView, step: int | None, top: float) -> dict:
+    """"peak X MiB" above the highest line (peak or budget), pointing down at the peak; hidden until the player
+    reaches it. Always one annotation, so that updates change it in place."""
+    p = view.trace.peak_index
+    shown = view.n > 0 and (step is None or p < step)
+    x, y = (float(view.start[p]), float(view.mem_peak[p])) if view.n else (0.0, 0.0)
+    return dict(x=x, y=y, xref="x", yref="y", ax=x, ay=top * 1.04, axref="x", ayref="y", visible=shown,
+                text=f"peak {format_bytes(y)}", showarrow=True, arrowhead=0, arrowwidth=1,
+                arrowcolor=style.PEAK_COLOR, yanchor="bottom", font=dict(color=style.PEAK_COLOR, size=11),
+                bgcolor="rgba(255, 255, 255, 0.85)")
 
 
 def memory_curve(trace: Trace, budget: int | None = None, step: int | None = None) -> go.Figure:
@@ -396,9 +408,13 @@ def frontier_layout(data: FrontierData, title: str | None = None) -> dict:
                           showarrow=False, textangle=-90, font=dict(color="#555"))],
     )
     if T > 0:
-        lo, hi = data.y_range
-        lay["yaxis2"] = dict(title_text="overhead over store-all", overlaying="y", side="right", ticksuffix="%",
-                             range=[100 * (lo / T - 1), 100 * (hi / T - 1)], showgrid=False, zeroline=False)
+        lo, hi = (100 * (y / T - 1) for y in data.y_range)
+        # round percentages, none below 0% (nothing is faster than store-all); plotly's own choice for an overlaying
+        # axis follows the left axis' ticks and lands on values like 50.9%
+        ticks = style.nice_ticks(max(lo, 0.0), hi)
+        lay["yaxis2"] = dict(title_text="overhead over store-all", overlaying="y", side="right", range=[lo, hi],
+                             tickmode="array", tickvals=ticks, ticktext=[f"{v:g}%" for v in ticks],
+                             showgrid=False, zeroline=False)
         lay["margin"] = dict(style.MARGIN, r=60)
     return lay
 

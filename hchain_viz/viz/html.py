@@ -65,8 +65,8 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
             stats=(f"makespan <b>{format_time(tr.makespan)}</b> ({100 * tr.overhead:+.1f}% over store-all), "
                    f"peak <b>{format_bytes(tr.peak_memory)}</b>, {tr.n_recomputed} recomputed forwards, "
                    f"{len(tr.events)} ops"),
-            timeline=dict(data=tl_data, layout={k: tl_lay[k] for k in F.DYNAMIC_LAYOUT}),
-            memory=dict(data=mem_data, layout={k: mem_lay[k] for k in F.DYNAMIC_LAYOUT}),
+            timeline=dict(data=tl_data, layout={k: tl_lay[k] for k in F.DYNAMIC_LAYOUT if k in tl_lay}),
+            memory=dict(data=mem_data, layout={k: mem_lay[k] for k in F.DYNAMIC_LAYOUT if k in mem_lay}),
             frontier=F.frontier_budget_traces(fd, b),
         ))
     frontier_data = F.frontier_traces(fd, budgets[0], unit)

@@ -91,6 +91,17 @@ def byte_ticks(lo: float, hi: float, n: int = 6) -> tuple[list[float], list[str]
     return vals, [format_bytes(v) for v in vals]
 
 
+def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """About ``n`` round values (steps of 1, 2, 2.5 or 5 times a power of ten) between ``lo`` and ``hi``."""
+    raw = (hi - lo) / max(n - 1, 1)
+    if not raw > 0:
+        return [lo]
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9) * step
+    return [round(float(v), 10) for v in np.arange(first, hi + step * 1e-9, step)]
+
+
 def byte_axis(lo: float, hi: float, title: str = "memory") -> dict:
     """Layout for a memory axis over [lo, hi] bytes with MiB/GiB tick labels."""
     vals, text = byte_ticks(lo, hi)
