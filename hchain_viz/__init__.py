@@ -32,6 +32,7 @@ from .errors import (
     InvalidSchedule,
     NotSequentialError,
     ProfileError,
+    TimingWarning,
 )
 
 __version__ = "0.1.0"
@@ -55,6 +56,7 @@ __all__ = [
     "Chain", "Schedule", "Op", "Trace", "Solution", "simulate", "solve", "optimal_schedule", "strategies",
     "format_bytes", "format_time", "parse_bytes",
     "HChainError", "InvalidChain", "InvalidSchedule", "InfeasibleBudget", "NotSequentialError", "ProfileError",
+    "TimingWarning",
     "DependencyError", "DoesNotFit", *_LAZY,
 ]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -43,63 +44,125 @@ def _load_model(spec: str) -> tuple[Any, Any, Any]:
     return result if len(result) == 3 else (*result, None)
 
 
-def _summary_rows(chain, solution) -> list[tuple[str, ...]]:
-    """At a few budgets across the feasible range: each budget-driven baseline next to the optimal schedule."""
+DEMO_BASELINES = ("periodic", "chen_greedy", "revolve")
+# One short line per term the demo prints (the chain table's columns only appear with --full).
+TERMS = (
+    ("budget", "memory allowed for activations in a step (weights and optimizer state come on top)"),
+    ("store-all", "plain training: keep every activation; the fastest step and the most memory"),
+    ("step time", "predicted time of one forward + backward (the explorer calls it the makespan)"),
+    ("recompute", "run a forward again during the backward, so its activations need not be kept"),
+    ("optimal", "the fastest schedule within the budget (Rotor's dynamic program)"),
+    ("periodic", "PyTorch's checkpoint_sequential: equal segments, the best segment count that fits"),
+    ("chen_greedy", "Chen et al.'s greedy segmentation by activation size"),
+    ("revolve", "binomial checkpointing (Griewank): best when every stage costs the same"),
+)
+CHAIN_TERMS = (
+    ("fwd / bwd", "time of the stage's forward / backward"),
+    ("x", "bytes of the activation entering the stage"),
+    ("xbar", "bytes a normal forward of the stage keeps for its backward (its output + saved tensors)"),
+    ("fwd_tmp", "temporary bytes during the stage's forward (bwd_tmp: during its backward)"),
+)
+
+
+def _print_terms(terms: tuple[tuple[str, str], ...]) -> None:
+    width = max(len(t) for t, _ in terms)
+    for term, meaning in terms:
+        print(f"  {term:<{width}}  {meaning}")
+
+
+def _demo_comparison(chain, solution) -> tuple[list[tuple[str, ...]], list[str], tuple[float, float] | None]:
+    """At three budgets across the feasible range: the optimal step time and each baseline's, with how much slower
+    it is. Returns the table rows, notes on baselines that keep one schedule, and the (least, largest) slowdown."""
     from .core import strategies
     from .core.simulate import simulate
     from .core.units import format_bytes, format_time
     from .errors import InfeasibleBudget
 
-    base = chain.store_all_time
     low, high = solution.min_budget, solution.store_all_peak
-    rows = []
-    for fraction in (0.1, 0.35, 0.65):
-        budget = int(low + fraction * (high - low))
+    budgets = [int(low + f * (high - low)) for f in (0.1, 0.35, 0.65)]
+    rows, seen, slower = [], {n: [] for n in DEMO_BASELINES}, []
+    for budget in budgets:
         best = solution.makespan(budget)
-        for name in ("periodic", "chen_greedy", "revolve"):
+        row = [format_bytes(budget), format_time(best)]
+        for name in DEMO_BASELINES:
             try:
-                trace = simulate(chain, strategies.STRATEGIES[name](chain, budget))
+                sched = strategies.STRATEGIES[name](chain, budget)
             except InfeasibleBudget:
-                rows.append((format_bytes(budget), name, "does not fit", "", "", format_time(best), ""))
+                row.append("does not fit")
                 continue
-            rows.append((format_bytes(budget), name, format_bytes(trace.peak_memory), format_time(trace.makespan),
-                         f"{100 * (trace.makespan / base - 1):+.1f}%", format_time(best),
-                         f"{100 * (trace.makespan / best - 1):+.1f}%"))
-    return rows
+            t = simulate(chain, sched).makespan
+            seen[name].append(sched.ops)
+            slower.append(t / best - 1)
+            row.append(f"{format_time(t)} ({100 * (t / best - 1):+.0f}%)")
+        rows.append(tuple(row))
+    notes = [f"{name}: the same schedule at all three budgets (few settings; no faster one fits in "
+             f"{format_bytes(budgets[-1])})" for name, ops in seen.items()
+             if len(ops) == len(budgets) and all(o == ops[0] for o in ops)]
+    return rows, notes, ((min(slower), max(slower)) if slower else None)
 
 
-def _print_frontier(solution) -> None:
+def _print_frontier(solution, rows: int = 25, raw_bytes: bool = True) -> None:
+    """The optimal frontier: about ``rows`` evenly spaced breakpoints (every one when ``rows`` is 0)."""
     from .core.units import format_bytes, format_time
 
     base = solution.chain.store_all_time
     points = solution.frontier()
-    if len(points) > 25:  # keep the terminal readable: about 25 evenly spaced breakpoints
-        step = len(points) / 25
-        points = [points[int(k * step)] for k in range(25)] + [points[-1]]
-    rows = [(format_bytes(b), str(b), format_time(t), f"{100 * (t / base - 1):+.1f}%") for b, t in points]
-    print_table(("budget", "bytes", "makespan", "overhead"), rows, rule=True)
+    if rows and len(points) > rows:  # keep the terminal readable: evenly spaced breakpoints and the last one
+        step = len(points) / rows
+        points = [points[int(k * step)] for k in range(rows)] + [points[-1]]
+    if raw_bytes:
+        table = [(format_bytes(b), str(b), format_time(t), f"{100 * (t / base - 1):+.1f}%") for b, t in points]
+        print_table(("budget", "bytes", "makespan", "overhead"), table, rule=True)
+    else:
+        table = [(format_bytes(b), format_time(t), f"{100 * (t / base - 1):+.1f}%") for b, t in points]
+        print_table(("budget", "step time", "vs store-all"), table, rule=True)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
+    import warnings
+
     from . import profile, solve, to_html
-    from .core.units import format_bytes
+    from .core.units import format_bytes, format_time
+    from .errors import TimingWarning
     from .runtime import models
 
+    name = args.model or models.DEFAULT_DEMO
     model, x, loss_fn = models.demo_model(args.model)
-    print(f"Profiling the demo model {args.model or models.DEFAULT_DEMO!r} on CPU ...")
-    chain = profile(model, x, loss_fn, progress=not args.quiet)
-    print(chain)
+    print(f"Profiling the demo model {name!r} on CPU ...")
+    with warnings.catch_warnings():  # the timing spread is reported below, in the demo's words
+        warnings.simplefilter("ignore", TimingWarning)
+        chain = profile(model, x, loss_fn, progress=not args.quiet)
     solution = solve(chain, slots=args.slots)
-    print(f"\nleast feasible budget {format_bytes(solution.min_budget)} ({solution.min_budget} B); store-all peak "
-          f"{format_bytes(solution.store_all_peak)} ({solution.store_all_peak} B)\n")
-    print("At three budgets, each baseline (its peak, step time, overhead over store-all) and the optimal step time;"
-          " 'slower' is how much longer the baseline's step takes:")
-    print_table(("budget", "strategy", "peak", "makespan", "overhead", "optimal", "slower"),
-                _summary_rows(chain, solution), rule=True)
-    print("\nOptimal frontier:")
-    _print_frontier(solution)
-    path = to_html(solution, args.out)
-    print(f"\nwrote the interactive explorer to {path} (open it in any browser; works offline)")
+    rows, notes, slower = _demo_comparison(chain, solution)
+    print()
+    if slower is not None:
+        lo, hi = (round(100 * s) for s in slower)
+        gain = f"{lo}-{hi}%" if lo > 0 else f"up to {hi}%"
+        print(f"Headline: within the same memory budget, the optimal schedule's training step is {gain} faster\n"
+              f"than the baselines' (three budgets below).\n")
+    spread = chain.time_spread
+    print(f"{name}: {chain.length} stages. Plain training (store-all) takes {format_time(chain.store_all_time)} per "
+          f"step and keeps\nup to {format_bytes(solution.store_all_peak)} of activations; the least any schedule "
+          f"needs is {format_bytes(solution.min_budget)}.")
+    if spread is not None:
+        busy = " (a busy machine: profile again when it is quiet)" if spread > 0.10 else ""
+        print(f"Timings varied by ±{100 * spread:.0f}% across {chain.meta.get('repeats')} repeats{busy}.")
+    print("\nStep time at three budgets (in brackets: how much slower than optimal):")
+    print_table(("budget", "optimal", *DEMO_BASELINES), rows, rule=True)
+    for note in notes:
+        print(f"  {note}")
+    print("\nTerms:")
+    _print_terms(TERMS)
+    print("\nOptimal step time by budget" + ("" if args.full else " (--full: every breakpoint, and the chain)") + ":")
+    _print_frontier(solution, rows=0 if args.full else 6, raw_bytes=args.full)
+    if args.full:
+        print()
+        print(chain)
+        _print_terms(CHAIN_TERMS)
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    path = to_html(solution, out)
+    print(f"\nWrote the interactive explorer to {path}\n(open it in a browser; it works offline).")
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
@@ -144,7 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     d = sub.add_parser("demo", help="profile the demo model, print a summary, write a standalone HTML explorer")
     d.add_argument("--model", default=None, help="built-in model name (default: the demo CNN)")
-    d.add_argument("--out", default="hchain_demo.html", help="HTML file to write (default: %(default)s)")
+    d.add_argument("--out", default=os.path.join("out", "hchain_demo.html"),
+                   help="HTML file to write (default: %(default)s; out/ is git-ignored)")
+    d.add_argument("--full", action="store_true", help="every frontier breakpoint and the profiled chain")
     d.add_argument("--slots", type=int, default=500, help="DP memory resolution (default: %(default)s)")
     d.add_argument("--quiet", action="store_true", help="no progress bars")
     d.set_defaults(func=cmd_demo)

@@ -46,3 +46,7 @@ class DependencyError(HChainError, ImportError):
 class DoesNotFit(InfeasibleBudget):
     """A training step does not fit a device's memory whatever the schedule; ``min_budget`` is the least device
     memory (bytes, margin included) that fits (DESIGN §7)."""
+
+
+class TimingWarning(UserWarning):
+    """Measured times varied a lot across repeats (a busy machine): predictions are uncertain by as much."""

@@ -260,3 +260,14 @@ def test_structure_fields_round_trip_and_default():
 def test_structure_fields_are_validated(kw, words):
     with pytest.raises(InvalidChain, match=re.escape(words)):
         Chain(fwd_time=[1, 1, 1], bwd_time=[2, 2, 2], x=[4, 6, 6, 4], xbar=[8, 8, 4], **kw)
+
+
+def test_time_spread_is_read_from_meta_weighted_by_time():
+    c = Chain(fwd_time=[1.0, 3.0], bwd_time=[2.0, 2.0], x=[1, 1, 1], xbar=[1, 1],
+              meta={"time_spread": {"fwd": [0.4, 0.0], "bwd": [0.1, 0.1]}})
+    assert c.time_spread == pytest.approx((0.4 * 1 + 0.1 * 4) / 8)
+    assert Chain.from_json(c.to_json()).time_spread == c.time_spread
+    assert Chain.random(3, seed=0).time_spread is None  # not profiled: unknown
+    for bad in ({"fwd": [0.1]}, {"fwd": [0.1], "bwd": [0.1]}, "noise", {"fwd": ["a", "b"], "bwd": [0, 0]}):
+        assert Chain(fwd_time=[1.0, 3.0], bwd_time=[2.0, 2.0], x=[1, 1, 1], xbar=[1, 1],
+                     meta={"time_spread": bad}).time_spread is None

@@ -101,6 +101,14 @@ def test_the_page_gets_the_figures_on_screen(ex, solution):
     assert ex._board.rows == [["frontier", "memory"], ["timeline"], ["tape"]]
 
 
+def test_the_header_says_how_noisy_the_times_are(chain, solution):
+    import dataclasses
+
+    assert "times ±" not in Explorer(chain, solution=solution, baselines=False).widget.children[0].value
+    noisy = dataclasses.replace(chain, meta={"time_spread": {"fwd": [0.18] * 8, "bwd": [0.18] * 8}})
+    assert "(times ±18%)" in Explorer(noisy, baselines=False).widget.children[0].value
+
+
 def test_infeasible_budget_is_refused_and_nothing_changes(ex):
     b = ex.budget
     with pytest.raises(InfeasibleBudget, match="least feasible budget") as err:

@@ -202,3 +202,37 @@ def test_bad_arguments_and_failing_stage():
         quick(nn.Sequential(nn.Linear(5, 4)), x)  # wrong input width
     with pytest.raises(ProfileError, match=r"loss_fn\(output\) failed"):
         quick(model, x, loss_fn=lambda out: F.cross_entropy(out, torch.zeros(5, dtype=torch.long)))
+
+
+# ---------------------------------------------------------------------------------------------- timing spread
+def fake_timer(times):
+    """A stand-in for measure._timed that runs the function and reports the next of ``times`` (seconds)."""
+    it = iter(times * 1000)
+
+    def timed(fn, dev):
+        fn()
+        return next(it)
+
+    return timed
+
+
+def test_profile_records_the_spread_of_each_stage(monkeypatch):
+    import warnings
+
+    import hchain_viz.runtime.profile as P
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    # every stage: forward 1, 1, 2 ms (median 1 ms, spread (2-1)/2 = 50%), backward a steady 3 ms
+    monkeypatch.setattr(P, "_timed", fake_timer([1e-3, 3e-3, 1e-3, 3e-3, 2e-3, 3e-3]))
+    with pytest.warns(hcv.TimingWarning, match=r"varied by ±12% across the 3 repeats \(0 ±50%, 1 ±50%, 2 ±50%\)"):
+        chain = profile(model, torch.randn(3, 4), warmup=0, repeats=3, progress=False)
+    assert chain.meta["time_spread"] == {"fwd": [0.5] * 3, "bwd": [0.0] * 3}
+    assert chain.fwd_time == (1e-3,) * 3 and chain.bwd_time == (3e-3,) * 3
+    assert chain.time_spread == pytest.approx(0.5 * 1 / 4)  # forwards are a quarter of the step time
+    assert Chain.from_json(chain.to_json()).time_spread == chain.time_spread  # the chain keeps it
+
+    monkeypatch.setattr(P, "_timed", fake_timer([1e-3, 3e-3]))  # steady: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        steady = profile(model, torch.randn(3, 4), warmup=0, repeats=3, progress=False)
+    assert steady.time_spread == 0.0

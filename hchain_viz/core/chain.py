@@ -174,6 +174,20 @@ class Chain:
         """Makespan with no recomputation: every forward and every backward once."""
         return float(sum(self.fwd_time) + sum(self.bwd_time))
 
+    @property
+    def time_spread(self) -> float | None:
+        """How much the profiled times varied across repeats, as a fraction (0.18: times ±18%), weighted by each
+        stage's share of the step time; None when unknown (a chain not from ``hcv.profile``). Read from
+        ``meta["time_spread"]`` = ``{"fwd": [...], "bwd": [...]}``, per stage half the range over the median."""
+        s = self.meta.get("time_spread") if isinstance(self.meta, dict) else None
+        try:
+            f, b = np.asarray(s["fwd"], np.float64), np.asarray(s["bwd"], np.float64)
+        except (TypeError, KeyError, ValueError):
+            return None
+        if f.shape != (self.length,) or b.shape != (self.length,) or self.store_all_time <= 0:
+            return None
+        return float((np.dot(f, self.fwd_time) + np.dot(b, self.bwd_time)) / self.store_all_time)
+
     # ------------------------------------------------------------------ whole step (DESIGN §7)
     @property
     def batch(self) -> int | None:

@@ -22,6 +22,7 @@ as in training after the first step, so accumulating into it is measured as a tr
 from __future__ import annotations
 
 import statistics
+import warnings
 from contextlib import nullcontext
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from ..core.chain import Chain
-from ..errors import NotSequentialError, ProfileError
+from ..errors import NotSequentialError, ProfileError, TimingWarning
 from .fixed import check_optimizer, fixed_memory
 from .measure import (
     LossFn,
@@ -87,6 +88,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
 
     L = len(stages)
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
+    fwd_spread, bwd_spread = [0.0] * L, [0.0] * L
     bar = progress_bar(L, "profiling", "stage", enabled=progress)  # in a notebook, text once done
     with preserved_state(modules + [m for _, m in stages], dev), bar:
         h = _leaves(sample_input)
@@ -96,6 +98,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             r.run(warmup, repeats)
             fwd[i], bwd[i], xs[i + 1], xbar[i], ftmp[i], btmp[i] = (r.fwd_time, r.bwd_time, r.out_bytes, r.xbar,
                                                                    r.fwd_tmp, r.bwd_tmp)
+            fwd_spread[i], bwd_spread[i] = r.fwd_spread, r.bwd_spread
             h = r.next_input
             bar.update(1)
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
@@ -109,6 +112,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         "torch": torch.__version__,
         "warmup": warmup,
         "repeats": repeats,
+        # per stage, half the range of the repeats' times over their median: the time is median ± spread
+        "time_spread": {"fwd": fwd_spread, "bwd": bwd_spread},
         "timer": "cuda events" if dev.type == "cuda" else "perf_counter",
         "memory": "cuda memory stats" if dev.type == "cuda" else "allocation tracker",
         "loss": "default (mean of squares)" if loss_fn is default_loss else repr(loss_fn),
@@ -117,8 +122,28 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     if optimizer is not None:
         fixed = fixed_memory(params, [m for _, m in stages], [b for m in modules for b in m.buffers()], optimizer,
                              dev, world_size)
-    return Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
-                 names=[n for n, _ in stages], meta=meta, fixed=fixed)
+    chain = Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
+                  names=[n for n, _ in stages], meta=meta, fixed=fixed)
+    _warn_if_noisy(chain)
+    return chain
+
+
+# Timings that varied more than this across repeats (step-time weighted) make profile() warn: the machine was busy.
+NOISY_SPREAD = 0.10
+
+
+def _warn_if_noisy(chain: Chain) -> None:
+    """Warn, naming the stages that varied most, when the chain's times varied by more than NOISY_SPREAD."""
+    spread = chain.time_spread
+    if spread is None or spread <= NOISY_SPREAD:
+        return
+    s = chain.meta["time_spread"]
+    worst = sorted(((max(f, b), chain.fwd_time[i] * f + chain.bwd_time[i] * b, chain.names[i])
+                    for i, (f, b) in enumerate(zip(s["fwd"], s["bwd"]))), key=lambda t: -t[1])
+    named = ", ".join(f"{name} ±{100 * sp:.0f}%" for sp, _, name in worst[:5] if sp > NOISY_SPREAD)
+    warnings.warn(f"stage times varied by ±{100 * spread:.0f}% across the {chain.meta.get('repeats')} repeats "
+                  f"({named}): the machine looks busy, so makespans are uncertain by about as much. Profile again on "
+                  f"a quiet machine, or with more repeats.", TimingWarning, stacklevel=3)
 
 
 class _StageProfile:
@@ -154,6 +179,7 @@ class _StageProfile:
                 ft.append(f)
                 bt.append(b)
         self.fwd_time, self.bwd_time = statistics.median(ft), statistics.median(bt)
+        self.fwd_spread, self.bwd_spread = _spread(ft), _spread(bt)
         self._memory()
 
     def _timed_once(self) -> tuple[float, float]:
@@ -224,6 +250,12 @@ class _StageProfile:
 def _leaves(obj: Any) -> Any:
     """Detached tensors sharing storage with ``obj``'s, requiring grad where the originals did (new leaves)."""
     return map_tensors(obj, lambda t: t.detach().requires_grad_(t.requires_grad))
+
+
+def _spread(times: list[float]) -> float:
+    """Half the range of ``times`` over their median (0 for one repeat or zero times)."""
+    med = statistics.median(times)
+    return (max(times) - min(times)) / (2 * med) if med > 0 else 0.0
 
 
 def _dtype_name(params: list[torch.Tensor], sample_input: Any) -> str:

@@ -350,9 +350,12 @@ class Explorer:
         self._board.on_click("frontier", self._on_frontier_click)
 
         L = self.chain.length
+        spread = self.chain.time_spread
+        noise = "" if spread is None else (f" <span title='how much the profiled times varied across repeats'>"
+                                           f"(times ±{100 * spread:.0f}%)</span>")
         head = W.HTML(f"<b>hchain_viz explorer</b> — {L} stages, store-all "
-                      f"{format_time(self.chain.store_all_time)} at {format_bytes(self.max_budget)}; least feasible "
-                      f"budget {format_bytes(self.min_budget)}")
+                      f"{format_time(self.chain.store_all_time)}{noise} at {format_bytes(self.max_budget)}; least "
+                      f"feasible budget {format_bytes(self.min_budget)}")
         row = dict(flex_flow="row wrap", align_items="center", width="100%")
         self._layout = W.VBox([
             head,
