@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -15,9 +16,16 @@ def test_quick_start_runs():
     blocks = re.findall(r"```python\n(.*?)```", README, re.S)
     quick = next(b for b in blocks if "hcv.profile" in b and "hcv.wrap" in b)
     assert len(quick.strip().splitlines()) <= 14  # "a ten-line quick start" (plus imports and the loop body)
+    # pasted as one notebook cell it shows the explorer: the explorer is the cell's last expression
+    tree = ast.parse(quick)
+    last = tree.body.pop()
+    assert isinstance(last, ast.Expr), "the quick start must end with the explorer as an expression"
     scope: dict = {}
-    exec(compile(quick, "README quick start", "exec"), scope)
+    exec(compile(tree, "README quick start", "exec"), scope)
+    shown = eval(compile(ast.Expression(last.value), "README quick start", "eval"), scope)
+    assert type(shown).__name__ == "Explorer" and shown.chain is scope["chain"]
     assert scope["wrapped"].schedule.ops == scope["schedule"].ops
+    shown.close()
 
 
 def test_readme_gives_the_two_setup_commands_and_the_benchmarks():
