@@ -21,12 +21,15 @@ figures.
 
 from __future__ import annotations
 
+import base64
 import functools
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import anywidget
+import numpy as np
 import plotly.graph_objects as go
 import traitlets
 from plotly.io import to_json
@@ -189,4 +192,33 @@ class FigureBoard(anywidget.AnyWidget):
 
 
 def _json(fig: go.Figure) -> str:
-    return to_json(fig, validate=False)
+    """The figure as plotly JSON, numeric arrays as base64 typed arrays (what plotly.py writes, and plotly.js reads).
+
+    Encoded straight from the figure's stored dicts: ``plotly.io.to_json`` deep-copies the figure and walks every list
+    element, which took most of a budget change (~40 ms per figure at L=200). Falls back to it for values plain JSON
+    cannot hold (NaN, infinities).
+    """
+    try:
+        return json.dumps({"data": fig._data, "layout": fig._layout}, default=_encode, separators=(",", ":"),
+                          allow_nan=False)
+    except (TypeError, ValueError):
+        return to_json(fig, validate=False)
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _encode(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        if v.dtype.kind == "f" or (v.dtype.kind in "iu" and (v.size == 0 or (v.min() >= _INT32.min and
+                                                                              v.max() <= _INT32.max))):
+            dt = "<f8" if v.dtype.kind == "f" else "<i4"
+            spec = {"dtype": "f8" if v.dtype.kind == "f" else "i4",
+                    "bdata": base64.b64encode(np.ascontiguousarray(v, dtype=dt).tobytes()).decode("ascii")}
+            if v.ndim > 1:
+                spec["shape"] = ",".join(map(str, v.shape))
+            return spec
+        return v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    raise TypeError(f"cannot encode {type(v).__name__}")

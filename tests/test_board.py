@@ -1,0 +1,65 @@
+"""viz/board.py: the FigureBoard widget's state is the figures, encoded as plotly.io would encode them."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+from plotly.io import to_json
+
+import hchain_viz as hcv
+from hchain_viz.viz.board import FigureBoard, _json
+from hchain_viz.viz.explorer import Explorer
+
+_DTYPES = {"f8": "<f8", "i4": "<i4", "f4": "<f4", "i2": "<i2", "i1": "i1", "u1": "u1", "u2": "<u2", "u4": "<u4"}
+
+
+def decoded(obj):
+    """A figure's JSON with base64 typed arrays turned into lists of floats (either encoder's output)."""
+    if isinstance(obj, dict):
+        if "bdata" in obj:
+            a = np.frombuffer(base64.b64decode(obj["bdata"]), _DTYPES[obj["dtype"]])
+            if "shape" in obj:
+                a = a.reshape([int(n) for n in obj["shape"].split(",")])
+            return a.astype(float).tolist()
+        return {k: decoded(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decoded(v) for v in obj]
+    return float(obj) if isinstance(obj, int) and not isinstance(obj, bool) else obj
+
+
+def test_fast_encoding_equals_plotly_io_for_every_explorer_figure():
+    ex = Explorer(hcv.Chain.random(12, seed=5))
+    ex.overlay = "sqrt_n"
+    ex.step = 9
+    for name, fig in ex.figures.items():
+        assert decoded(json.loads(_json(fig))) == decoded(json.loads(to_json(fig, validate=False))), name
+    ex.close()
+
+
+def test_values_json_cannot_hold_fall_back_to_plotly_io():
+    fig = go.Figure(go.Scatter(x=[0.0, 1.0], y=[float("nan"), 1.0]))
+    assert json.loads(_json(fig))["data"][0]["y"] == [None, 1.0]  # NaN: null, as plotly.io writes it
+
+
+def test_sync_sends_only_changed_figures_and_clicks_reach_their_callbacks():
+    a, b = go.Figure(go.Scatter(x=[1, 2])), go.Figure(go.Bar(x=[3]))
+    board = FigureBoard({"a": a, "b": b}, rows=[["a", "b"]])
+    sent = []
+    board.observe(lambda ch: sent.append(ch["new"]), "_figure_json")
+    board.sync()
+    assert sent == []  # nothing changed
+    a.update_layout(title_text="new")
+    board.sync(["a"])
+    assert len(sent) == 1 and json.loads(sent[0]["a"])["layout"]["title"]["text"] == "new"
+    clicks = []
+    board.on_click("b", clicks.append)
+    board._on_msg(board, {"event": "click", "name": "b", "trace": 0, "x": 3, "y": 1}, None)
+    board._on_msg(board, {"event": "click", "name": "a", "trace": 0, "x": 1, "y": 1}, None)
+    assert [c["x"] for c in clicks] == [3]
+    with pytest.raises(ValueError, match="does not have"):
+        FigureBoard({"a": a}, rows=[["a", "c"]])
+    board.close()
