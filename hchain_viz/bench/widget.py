@@ -101,8 +101,12 @@ _MEMORY_TITLE_JS = """() => {
 }"""
 _KEY_TO_TITLE_JS = """(prev) => new Promise(resolve => {
   const title = """ + _MEMORY_TITLE_JS + """;
-  const poll = () => { const t = title(); if (t !== null && t !== prev) resolve(performance.now() - window.__hcvKeyT0);
-                       else requestAnimationFrame(poll); };
+  const poll = () => {
+    const t = title(), ms = performance.now() - window.__hcvKeyT0;
+    if (t !== null && t !== prev) resolve(ms);
+    else if (ms > 30000) resolve(null);  // never redrawn (a frozen figure)
+    else requestAnimationFrame(poll);
+  };
   poll();
 })"""
 
@@ -150,7 +154,7 @@ def browser(length: int, rounds: int) -> None:
                         page.keyboard.press("End" if k % 2 == 0 else "Home")
                         ms = page.evaluate(_KEY_TO_TITLE_JS, prev)
                         if k > 0:  # the first press is a warm-up
-                            keys.append(ms)
+                            keys.append(float("inf") if ms is None else ms)
                 page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
                 context.close()
             b.close()
