@@ -79,23 +79,28 @@ function render({ model, el }) {
     }
   }
 
+  // fresh: a new plot (its listeners too), laid out from scratch at the panel's width; else Plotly.react
+  function plot(name, p, fresh) {
+    const fig = JSON.parse(p.json);
+    (fresh ? Plotly.newPlot : Plotly.react)(p.div, fig.data, fig.layout, config).then(() => {
+      if (fresh) {
+        p.div.on("plotly_click", ev => {
+          const pt = ev.points && ev.points[0];
+          if (pt) model.send({event: "click", name, trace: pt.curveNumber, x: pt.x, y: pt.y});
+        });
+      }
+    });
+  }
+
   function draw() {
     if (!Plotly || !alive || el.clientWidth === 0) return;  // hidden (a background tab): drawn when shown
     const figs = model.get("_figure_json");
     for (const [name, p] of Object.entries(panels)) {
       const json = figs[name];
       if (json === undefined || json === p.json) continue;
-      const fig = JSON.parse(json);
-      const first = p.json === null;
+      const fresh = p.json === null;
       p.json = json;
-      Plotly.react(p.div, fig.data, fig.layout, config).then(() => {
-        if (first) {
-          p.div.on("plotly_click", ev => {
-            const pt = ev.points && ev.points[0];
-            if (pt) model.send({event: "click", name, trace: pt.curveNumber, x: pt.x, y: pt.y});
-          });
-        }
-      });
+      plot(name, p, fresh);
     }
   }
 
@@ -107,10 +112,11 @@ function render({ model, el }) {
     el.classList.toggle("hcv-narrow", w < """ + str(_NARROW_PX) + r""");
     if (w === lastWidth) return;
     lastWidth = w;
+    const drawn = Object.entries(panels).filter(([, p]) => p.json !== null && p.div.clientWidth > 0);
     draw();  // the first time the board has a width: draw what waited
-    for (const p of Object.values(panels)) {
-      if (p.json !== null && p.div.clientWidth > 0) Plotly.Plots.resize(p.div).catch(() => {});
-    }
+    // a new plot rather than Plots.resize: after a resize plotly kept the legend's old margins (a legend that had
+    // wrapped to more rows in a narrow box then covered the plot once the box widened)
+    for (const [name, p] of drawn) plot(name, p, true);
   }
   const observer = new ResizeObserver(() => { if (!pending) pending = requestAnimationFrame(resize); });
 

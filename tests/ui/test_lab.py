@@ -150,7 +150,10 @@ def test_the_explorer_follows_the_output_area(nb):
 def test_rerun_replaces_the_explorer_and_a_reload_is_clean(nb, app_timeline):
     old = nb.page.evaluate("() => document.querySelector('.hcv-board').closest('.jp-OutputArea-output') !== null")
     assert old
+    count = "() => window.jupyterapp.shell.currentWidget.content.model.cells.get(1).executionCount"
+    before = nb.page.evaluate(count)
     nb.run_all()  # a re-run: the new explorer closes the old one's widgets in the kernel
+    nb.page.wait_for_function(f"(n) => ({count})() > n", arg=before, timeout=RUN_MS)  # the explorer cell ran again
     nb.wait_kernel_idle(RUN_MS)
     nb.wait_figures(4, RUN_MS)
     wait_state(nb, "s.n_boards === 1")
