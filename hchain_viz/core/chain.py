@@ -303,6 +303,11 @@ def _shared(shared: Any, x: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]
             raise InvalidChain(f"shared tensor {t!r} has {size} bytes, more than x[{small[0]}] = {x[small[0]]} "
                                f"holds; it must be part of every x[i] it crosses")
         out.append((first, last, size))
+    for i in range(L + 1):  # the shared tensors at one cut are distinct parts of x[i]
+        inside = sum(size for first, last, size in out if first <= i <= last)
+        if inside > x[i]:
+            raise InvalidChain(f"the shared tensors crossing boundary {i} hold {inside} bytes in all, more than "
+                               f"x[{i}] = {x[i]}; each must be a distinct part of every x[i] it crosses")
     return tuple(out)
 
 

@@ -209,14 +209,17 @@ def memory_curve(trace: Trace, budget: int | None = None, step: int | None = Non
 
 
 # ====================================================================== storage tape
-TAPE_KINDS = ("xbar", "out", "delta", "x")  # drawing order: narrow bars last, on top
+TAPE_KINDS = ("xbar", "out", "delta", "x", "shared")  # drawing order: narrow bars last, on top
 
 
 def tape_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] | None = None) -> list[dict]:
-    """Four bar traces (x̄, output, gradient, checkpoint) of item lifetimes; up to ``step`` ops when given.
+    """Five bar traces (x̄, output, gradient, checkpoint, shared tensor) of item lifetimes; up to ``step`` ops when
+    given.
 
     Row i holds x_i (its input, kept as a checkpoint), x̄_{i+1} (what its recording forward saved) and δ_i (the
-    gradient its backward produced); row L holds the output x_L and δ_L.
+    gradient its backward produced); row L holds the output x_L and δ_L. A tensor shared by several cuts from x_i on
+    (DESIGN §8, e.g. the residual stream) is one thin bar on row i while any value holds it; the others leave its
+    bytes out of their own.
     """
     uname, scale = unit or style.byte_unit(view.peak)
     if step is None:
@@ -229,7 +232,8 @@ def tape_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] 
     for kind in TAPE_KINDS:
         m = keep & (view.item_kind == kind)
         stage = view.item_stage[m]  # items carry their row already: ("out", L), ("delta", L) sit on the loss row
-        sub = {"x": "x_%d", "xbar": "x̄_%d", "out": "output x_%d", "delta": "δ_%d"}[kind]
+        sub = {"x": "x_%d", "xbar": "x̄_%d", "out": "output x_%d", "delta": "δ_%d",
+               "shared": "shared tensor from x_%d"}[kind]
         shift = 1 if kind == "xbar" else 0
         text = np.array([sub % (s + shift) for s in stage.tolist()] + [""], dtype=object)[:-1]
         out.append(dict(
