@@ -6,6 +6,7 @@ round-trips through JSON so a profile taken on a GPU machine can be explored any
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,6 +20,33 @@ from ..errors import InvalidChain
 from .units import format_bytes, format_time
 
 CHAIN_FORMAT = "hchain-chain/1"
+
+# Device–host links, bytes/s each way: the nominal rates of the specifications (measured pinned copies reach about
+# 80% of them on PCIe). NVLink-C2C is Grace–Hopper's 900 GB/s total, 450 GB/s each way.
+BANDWIDTH_PRESETS: dict[str, float] = {
+    "pcie4": 32e9,  # PCIe 4.0 x16
+    "pcie5": 64e9,  # PCIe 5.0 x16
+    "nvlink-c2c": 450e9,  # NVLink-C2C (Grace–Hopper)
+}
+BANDWIDTH_LABELS: dict[str, str] = {"pcie4": "PCIe 4.0 x16", "pcie5": "PCIe 5.0 x16", "nvlink-c2c": "NVLink-C2C"}
+
+
+def bandwidth_of(value: float | str) -> float:
+    """Bytes/s from a positive number or a preset name (``"pcie4"``, ``"PCIe 5.0 x16"``, ``"nvlink-c2c"``)."""
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for name, label in BANDWIDTH_LABELS.items():
+            if key in (name, label.lower()):
+                return BANDWIDTH_PRESETS[name]
+        raise InvalidChain(f"unknown bandwidth preset {value!r}; use one of {', '.join(BANDWIDTH_PRESETS)} or a "
+                           f"number of bytes/s")
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise InvalidChain(f"bandwidth must be bytes/s (a positive number) or a preset name, got {value!r}") from None
+    if isinstance(value, bool) or not (f > 0) or math.isinf(f):
+        raise InvalidChain(f"bandwidth must be a positive, finite number of bytes/s, got {value!r}")
+    return f
 
 
 @dataclass(frozen=True)
@@ -34,6 +62,9 @@ class Chain:
       autograd saved for its backward, not counting ``x[i]``. Always ``xbar[i] >= x[i+1]``.
     - ``fwd_tmp[i]`` / ``bwd_tmp[i]``: transient bytes above the resident set during the forward / backward.
     - ``names[i]``: a label (module name).
+    - ``bandwidth``: bytes/s of the device–host link *each way* (for ``Off``/``Pre`` ops, DESIGN §9), or None when
+      no link is modelled. The link is modelled full duplex: offloads and prefetches each have their own channel
+      at this rate and never slow each other. Presets in :data:`BANDWIDTH_PRESETS`; see :meth:`with_bandwidth`.
 
     Structure of transformer-like chains (all optional; DESIGN §8):
 
@@ -56,6 +87,7 @@ class Chain:
     bwd_tmp: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
     names: tuple[str, ...] = None  # type: ignore[assignment]  # default: "stage0", "stage1", ...
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    bandwidth: float | None = None
     groups: tuple[tuple[str, int, int], ...] = ()
     tags: tuple[str, ...] = None  # type: ignore[assignment]  # default: "" for every stage
     shared: tuple[tuple[int, int, int], ...] = ()
@@ -81,6 +113,8 @@ class Chain:
         if len(names) != L:
             raise InvalidChain(f"names has {len(names)} entries but the chain has {L} stages; give one name per stage")
         set_(self, "names", names)
+        if self.bandwidth is not None:
+            set_(self, "bandwidth", bandwidth_of(self.bandwidth))
         bad = [i for i in range(L) if self.xbar[i] < self.x[i + 1]]
         if bad:
             i = bad[0]
@@ -117,11 +151,18 @@ class Chain:
         """Makespan with no recomputation: every forward and every backward once."""
         return float(sum(self.fwd_time) + sum(self.bwd_time))
 
+    def with_bandwidth(self, bandwidth: float | str | None) -> Chain:
+        """The same chain with a device–host link of ``bandwidth`` bytes/s each way, or a preset name from
+        :data:`BANDWIDTH_PRESETS` (``"pcie4"``, ``"pcie5"``, ``"nvlink-c2c"``); None removes the link."""
+        return dataclasses.replace(self, bandwidth=None if bandwidth is None else bandwidth_of(bandwidth))
+
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         d = {"format": CHAIN_FORMAT}
         for k in ("names", "fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp"):
             d[k] = list(getattr(self, k))
+        if self.bandwidth is not None:
+            d["bandwidth"] = self.bandwidth
         if self.groups:
             d["groups"] = [list(g) for g in self.groups]
         if any(self.tags):
@@ -146,6 +187,7 @@ class Chain:
         return cls(
             fwd_time=d["fwd_time"], bwd_time=d["bwd_time"], x=d["x"], xbar=d["xbar"],
             fwd_tmp=d.get("fwd_tmp"), bwd_tmp=d.get("bwd_tmp"), names=d.get("names"), meta=d.get("meta", {}),
+            bandwidth=d.get("bandwidth"),
             groups=d.get("groups", ()), tags=d.get("tags"), shared=d.get("shared", ()),
         )
 
