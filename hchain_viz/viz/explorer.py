@@ -25,7 +25,7 @@ import numpy as np
 from ..core.chain import Chain
 from ..core.schedule import Schedule
 from ..core.simulate import simulate
-from ..core.strategies import STRATEGIES
+from ..core.strategies import STRATEGIES, applicable
 from ..core.units import format_bytes, format_time, parse_bytes
 from ..errors import DependencyError, HChainError, InfeasibleBudget
 from . import figures as F
@@ -75,7 +75,7 @@ class Explorer:
         The initial budget (bytes or text like ``"300MiB"``); halfway between the least feasible budget and
         store-all's peak when omitted.
     strategy:
-        The strategy shown: ``"optimal"`` or a baseline name of ``hcv.strategies.STRATEGIES``.
+        The strategy shown: ``"optimal"`` or a baseline name of ``hcv.strategies.STRATEGIES`` that applies to the chain.
     baselines:
         Baselines drawn on the frontier: None (all), False (none), or a list of names (see :func:`figures.frontier`).
     throttle_ms:
@@ -104,7 +104,7 @@ class Explorer:
         self.min_budget = int(solution.min_budget)
         self.max_budget = int(max(getattr(solution, "store_all_peak", solution.max_budget), self.min_budget))
         self._unit = style.byte_unit(self.max_budget)  # one unit for every hover, so templates never change
-        self._strategies = [OPTIMAL, *STRATEGIES]
+        self._strategies = [OPTIMAL, *applicable(chain)]  # the transformer baselines need groups / tags
         self._frontier = F.FrontierData.of(solution, baselines)
         self._cache: OrderedDict[tuple[str, int], tuple[TraceView, str]] = OrderedDict()
 

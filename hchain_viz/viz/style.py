@@ -50,6 +50,9 @@ STRATEGY_COLORS = {
     "sqrt_n": "#9467bd",
     "revolve": "#e377c2",
     "chen_greedy": "#bcbd22",
+    "per_layer": "#d62728",
+    "selective": "#ff7f0e",
+    "layer_periodic": "#17becf",
 }
 _CYCLE = ("#17becf", "#ff7f0e", "#d62728", "#aec7e8", "#98df8a", "#c5b0d5")
 
