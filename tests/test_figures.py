@@ -264,7 +264,8 @@ def test_sub_layer_chain_is_drawn_by_layer():
     for fig in (F.timeline(trace, step=5), F.storage_tape(trace)):
         ax = fig.layout.yaxis
         assert ax.title.text == "layer" and len(ax.tickvals) <= 25
-        assert "h.1" in ax.ticktext and "embed" in ax.ticktext  # every other layer labelled (26 marks) and ax.ticktext[-1] in ("loss", "output / loss")
+        # every other layer labelled (26 marks), and the ungrouped embedding and loss rows
+        assert "h.1" in ax.ticktext and "embed" in ax.ticktext and ax.ticktext[-1] in ("loss", "output / loss")
         assert list(ax.minor.tickvals) == list(range(chain.length + 1))
         cursor, *bands = fig.layout.shapes
         assert cursor.type == "line" and len(bands) == 12  # every other one of 24 layers
