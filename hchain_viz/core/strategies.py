@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 ATTN_CORE = "attn_core"  # the tag of the stages Megatron's selective recomputation recomputes
-_HOW_TO_GROUP = ("profile the model at sub-layer granularity (hcv.profile(model, x, granularity=...), see the README), "
+_HOW_TO_GROUP = ("profile the model at sub-layer granularity (hcv.profile(model, x, granularity=\"sublayer\")), "
                  "which records them, or build the Chain with groups=[(name, first_stage, last_stage), ...] and tags")
 
 Budget = int | str | None
