@@ -7,6 +7,7 @@ round-trips through JSON so a profile taken on a GPU machine can be explored any
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import math
 import os
@@ -376,7 +377,9 @@ class Chain:
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{h}</th>" for h in self._HEAD)
         body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in self._rows())
-        return (f"<b>Chain</b>: {self.length} stages, store-all {format_time(self.store_all_time)}"
+        extra = "" if self.batch_fit is None else f", batch {self.batch_fit.batch}"
+        extra += "" if self.fixed is None else f", fixed {html.escape(self.fixed.describe())}"
+        return (f"<b>Chain</b>: {self.length} stages, store-all {format_time(self.store_all_time)}{extra}"
                 f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
