@@ -6,6 +6,7 @@ round-trips through JSON so a profile taken on a GPU machine can be explored any
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,6 +20,33 @@ from ..errors import InvalidChain
 from .units import format_bytes, format_time
 
 CHAIN_FORMAT = "hchain-chain/1"
+
+# Device–host links, bytes/s each way: the nominal rates of the specifications (measured pinned copies reach about
+# 80% of them on PCIe). NVLink-C2C is Grace–Hopper's 900 GB/s total, 450 GB/s each way.
+BANDWIDTH_PRESETS: dict[str, float] = {
+    "pcie4": 32e9,  # PCIe 4.0 x16
+    "pcie5": 64e9,  # PCIe 5.0 x16
+    "nvlink-c2c": 450e9,  # NVLink-C2C (Grace–Hopper)
+}
+BANDWIDTH_LABELS: dict[str, str] = {"pcie4": "PCIe 4.0 x16", "pcie5": "PCIe 5.0 x16", "nvlink-c2c": "NVLink-C2C"}
+
+
+def bandwidth_of(value: float | str) -> float:
+    """Bytes/s from a positive number or a preset name (``"pcie4"``, ``"PCIe 5.0 x16"``, ``"nvlink-c2c"``)."""
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for name, label in BANDWIDTH_LABELS.items():
+            if key in (name, label.lower()):
+                return BANDWIDTH_PRESETS[name]
+        raise InvalidChain(f"unknown bandwidth preset {value!r}; use one of {', '.join(BANDWIDTH_PRESETS)} or a "
+                           f"number of bytes/s")
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise InvalidChain(f"bandwidth must be bytes/s (a positive number) or a preset name, got {value!r}") from None
+    if isinstance(value, bool) or not (f > 0) or math.isinf(f):
+        raise InvalidChain(f"bandwidth must be a positive, finite number of bytes/s, got {value!r}")
+    return f
 
 
 @dataclass(frozen=True)
@@ -34,6 +62,21 @@ class Chain:
       autograd saved for its backward, not counting ``x[i]``. Always ``xbar[i] >= x[i+1]``.
     - ``fwd_tmp[i]`` / ``bwd_tmp[i]``: transient bytes above the resident set during the forward / backward.
     - ``names[i]``: a label (module name).
+    - ``bandwidth``: bytes/s of the device–host link *each way* (for ``Off``/``Pre`` ops, DESIGN §9), or None when
+      no link is modelled. The link is modelled full duplex: offloads and prefetches each have their own channel
+      at this rate and never slow each other. Presets in :data:`BANDWIDTH_PRESETS`; see :meth:`with_bandwidth`.
+
+    Structure of transformer-like chains (all optional; DESIGN §8):
+
+    - ``groups``: named contiguous stage ranges ``(name, first, last)`` (inclusive, in order, non-overlapping), e.g.
+      ``("h.3", 12, 17)``: the stages that form one layer. Baselines that work per layer (full per-layer
+      recomputation, ``checkpoint_sequential`` at layer granularity) and the grouped figures read them.
+    - ``tags[i]``: a free-form role of stage i (``""`` by default). ``"attn_core"`` marks the stages of Megatron's
+      core attention (scores, probabilities, probabilities times values), which selective recomputation recomputes.
+    - ``shared``: tensors that cross several consecutive cuts unchanged, as ``(first, last, bytes)`` with
+      ``0 <= first < last <= L``: one tensor of ``bytes`` that is part of every boundary value ``x[first..last]``
+      (the residual stream inside a layer, an attention mask). Each of those ``x[i]`` (and the ``xbar`` that contain
+      them) counts its bytes; the simulator counts it once however many resident values hold it.
     """
 
     fwd_time: tuple[float, ...]
@@ -44,6 +87,10 @@ class Chain:
     bwd_tmp: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
     names: tuple[str, ...] = None  # type: ignore[assignment]  # default: "stage0", "stage1", ...
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    bandwidth: float | None = None
+    groups: tuple[tuple[str, int, int], ...] = ()
+    tags: tuple[str, ...] = None  # type: ignore[assignment]  # default: "" for every stage
+    shared: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         L = _length_of(self.fwd_time, "fwd_time")
@@ -66,6 +113,8 @@ class Chain:
         if len(names) != L:
             raise InvalidChain(f"names has {len(names)} entries but the chain has {L} stages; give one name per stage")
         set_(self, "names", names)
+        if self.bandwidth is not None:
+            set_(self, "bandwidth", bandwidth_of(self.bandwidth))
         bad = [i for i in range(L) if self.xbar[i] < self.x[i + 1]]
         if bad:
             i = bad[0]
@@ -73,6 +122,9 @@ class Chain:
                 f"xbar[{i}] = {self.xbar[i]} is smaller than x[{i + 1}] = {self.x[i + 1]}, but x̄ contains the stage's "
                 f"output; xbar[i] must be at least x[i+1] (stage {names[i]!r})"
             )
+        set_(self, "groups", _groups(self.groups, L))
+        set_(self, "tags", _tags(self.tags, L))
+        set_(self, "shared", _shared(self.shared, self.x))
 
     # ------------------------------------------------------------------ basic facts
     @property
@@ -99,11 +151,24 @@ class Chain:
         """Makespan with no recomputation: every forward and every backward once."""
         return float(sum(self.fwd_time) + sum(self.bwd_time))
 
+    def with_bandwidth(self, bandwidth: float | str | None) -> Chain:
+        """The same chain with a device–host link of ``bandwidth`` bytes/s each way, or a preset name from
+        :data:`BANDWIDTH_PRESETS` (``"pcie4"``, ``"pcie5"``, ``"nvlink-c2c"``); None removes the link."""
+        return dataclasses.replace(self, bandwidth=None if bandwidth is None else bandwidth_of(bandwidth))
+
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         d = {"format": CHAIN_FORMAT}
         for k in ("names", "fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp"):
             d[k] = list(getattr(self, k))
+        if self.bandwidth is not None:
+            d["bandwidth"] = self.bandwidth
+        if self.groups:
+            d["groups"] = [list(g) for g in self.groups]
+        if any(self.tags):
+            d["tags"] = list(self.tags)
+        if self.shared:
+            d["shared"] = [list(t) for t in self.shared]
         if self.meta:
             d["meta"] = self.meta
         return d
@@ -122,6 +187,8 @@ class Chain:
         return cls(
             fwd_time=d["fwd_time"], bwd_time=d["bwd_time"], x=d["x"], xbar=d["xbar"],
             fwd_tmp=d.get("fwd_tmp"), bwd_tmp=d.get("bwd_tmp"), names=d.get("names"), meta=d.get("meta", {}),
+            bandwidth=d.get("bandwidth"),
+            groups=d.get("groups", ()), tags=d.get("tags"), shared=d.get("shared", ()),
         )
 
     @classmethod
@@ -229,6 +296,56 @@ def read_json(text_or_path: str | os.PathLike, error: type[Exception], what: str
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise error(f"{what} JSON is malformed: {e}") from None
+
+
+def _int_field(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise InvalidChain(f"{what} must be an integer, got {v!r}")
+    return int(v)
+
+
+def _groups(groups: Any, L: int) -> tuple[tuple[str, int, int], ...]:
+    out: list[tuple[str, int, int]] = []
+    for g in groups or ():
+        if isinstance(g, str) or len(g) != 3:
+            raise InvalidChain(f"each group is (name, first_stage, last_stage); got {g!r}")
+        name = str(g[0])
+        first, last = _int_field(g[1], "a group's first stage"), _int_field(g[2], "a group's last stage")
+        if not 0 <= first <= last < L:
+            raise InvalidChain(f"group {name!r} spans stages {first}..{last}, outside 0..{L - 1} or reversed")
+        if out and first <= out[-1][2]:
+            raise InvalidChain(f"group {name!r} starts at stage {first}, inside or before group {out[-1][0]!r} "
+                               f"(..{out[-1][2]}); groups must be in order and must not overlap")
+        out.append((name, first, last))
+    return tuple(out)
+
+
+def _tags(tags: Any, L: int) -> tuple[str, ...]:
+    if tags is None:
+        return ("",) * L
+    if isinstance(tags, str) or len(tags) != L:
+        raise InvalidChain(f"tags must be a list of {L} strings, one per stage; got {tags!r}")
+    return tuple(str(t) for t in tags)
+
+
+def _shared(shared: Any, x: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    L = len(x) - 1
+    out = []
+    for t in shared or ():
+        if isinstance(t, str) or len(t) != 3:
+            raise InvalidChain(f"each shared tensor is (first_boundary, last_boundary, bytes); got {t!r}")
+        first, last = _int_field(t[0], "a shared tensor's first boundary"), _int_field(t[1], "its last boundary")
+        size = _int_field(t[2], "a shared tensor's bytes")
+        if not 0 <= first < last <= L:
+            raise InvalidChain(f"shared tensor {t!r}: need 0 <= first < last <= {L} (boundaries x[0..{L}])")
+        if size < 0:
+            raise InvalidChain(f"shared tensor {t!r} has a negative size")
+        small = [i for i in range(first, last + 1) if x[i] < size]
+        if small:
+            raise InvalidChain(f"shared tensor {t!r} has {size} bytes, more than x[{small[0]}] = {x[small[0]]} "
+                               f"holds; it must be part of every x[i] it crosses")
+        out.append((first, last, size))
+    return tuple(out)
 
 
 def _length_of(v: Any, name: str) -> int:
