@@ -5,7 +5,7 @@
 - ``train``: optimal schedules vs PyTorch's checkpoint_sequential at equal measured memory.
 - ``widget``: server-side time of one explorer budget change.
 - ``models``: automatic chain extraction on real architectures.
-- ``gpu``: every CUDA path in one run (tests, profile fidelity, training comparison), written to gpu-report.md.
+- ``fit``: whole-step peaks and largest batch sizes, predicted vs measured (will it fit, DESIGN §7).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-BENCHMARKS = ("solver", "profile", "train", "widget", "models", "gpu")
+BENCHMARKS = ("solver", "profile", "train", "widget", "models", "fit", "gpu")
 
 
 def print_table(head: Sequence[object], rows: Sequence[Sequence[object]], *, left: int = 0, rule: bool = False) -> None:
