@@ -14,7 +14,9 @@ segment count that uses as much measured memory as another and is slower is left
 marked, and the average over every point, the old rule, is printed beside the new one).
 
     python -m hchain_viz bench train [--models resnet_chain,transformer_chain,mlp_chain] [--rounds 9]
-                                     [--threads 0] [--small]
+                                     [--threads 0] [--small] [--device cpu]
+
+On CUDA, step times come from CUDA events (``measure``'s timer) and peaks from the allocator's statistics.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -32,8 +33,10 @@ from torch.utils.checkpoint import checkpoint_sequential
 from . import pareto_efficient, positive_int, print_table
 
 
-def run(args: list[str]) -> None:
-    """Print, per demo model, a table of every configuration and the comparison with checkpoint_sequential."""
+def run(args: list[str], sizes: dict[str, dict[str, Any]] | None = None) -> None:
+    """Print, per demo model, a table of every configuration and the comparison with checkpoint_sequential.
+
+    ``sizes`` (for callers such as ``bench gpu``): demo-model options per model name, instead of the defaults."""
     from ..core import strategies
     from ..core.simulate import simulate
     from ..core.solver import solve
@@ -50,21 +53,24 @@ def run(args: list[str]) -> None:
     parser.add_argument("--rounds", type=positive_int, default=9, help="interleaved timing rounds (median taken)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
     parser.add_argument("--small", action="store_true", help="smaller models, fewer rounds (a quick check)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     opts = parser.parse_args(args)
     if opts.threads:
         torch.set_num_threads(opts.threads)
     small = {"resnet_chain": dict(batch=4, image=32, width=8), "transformer_chain": dict(batch=4, seq=32, dim=64),
              "mlp_chain": dict(batch=64)}
+    if sizes is None:
+        sizes = small if opts.small else {}
     rounds = 3 if opts.small else opts.rounds
 
-    print(f"train benchmark: torch {torch.__version__}, cpu, {torch.get_num_threads()} threads, median of "
+    print(f"train benchmark: torch {torch.__version__}, {opts.device}, {torch.get_num_threads()} threads, median of "
           f"{rounds} interleaved rounds; peaks measured with hchain_viz.measure (activations + input)")
     gains_all: list[float] = []  # Pareto-efficient checkpoint_sequential points only
     every_all: list[float] = []  # every point (the old rule)
     sim_all: list[float] = []
     for name in opts.models.split(","):
         name = name.strip()
-        model, x, loss_fn = models.demo_model(name, **(small.get(name, {}) if opts.small else {}))
+        model, x, loss_fn = models.demo_model(name, device=opts.device, **sizes.get(name, {}))
         chain = profile(model, x, loss_fn, progress=False)
         sol = solve(chain)
         stages = nn.Sequential(*[m for _, m in sequentialize(model, x)])
@@ -164,7 +170,12 @@ class _CheckpointSequential(nn.Module):
 
 def _interleaved_times(modules: list[Any], x: Any, loss_fn: Any, rounds: int, fresh_copy: Any) -> list[float]:
     """Median step time of each module, timing one step of each per round in a shuffled order (a warm-up round
-    first)."""
+    first). Timed as ``measure`` times: CUDA events on a GPU (kernels run asynchronously: a wall clock around the
+    calls would see only their launches), ``perf_counter`` elsewhere."""
+    from ..runtime.measure import _timed
+    from ..runtime.memtrack import tensors
+
+    dev = tensors(x)[0].device
     params = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values()
     for p in params:  # gradients exist before timing, as in a training loop after its first step
         if p.grad is None:
@@ -177,9 +188,7 @@ def _interleaved_times(modules: list[Any], x: Any, loss_fn: Any, rounds: int, fr
         for k in order:
             m = modules[k]
             xs = fresh_copy(x)
-            t0 = time.perf_counter()
-            loss_fn(m(xs)).backward()
-            dt = time.perf_counter() - t0
+            dt = _timed(lambda m=m, xs=xs: loss_fn(m(xs)).backward(), dev)
             for p in params:
                 p.grad.zero_()
             if r:
