@@ -12,7 +12,8 @@ own, in order, on the real output of the stage before (only one stage's autograd
   buffers, the stage input and constants are resident anyway).
 - ``fwd_tmp[i]``: peak bytes above the resident set during the forward, beyond what the forward leaves (largest of
   the recording forward and a no-grad one); ``bwd_tmp[i]``: the same for the backward, beyond the input gradient.
-  Measured by :class:`~hchain_viz.runtime.memtrack.MemoryMeter` (CUDA statistics, or allocation tracking on the CPU).
+  Measured by :class:`~hchain_viz.runtime.memtrack.MemoryMeter` (CUDA statistics, or the allocator's own log of
+  allocations and frees on the CPU, which leaves compiled stages compiled).
 
 Profiling leaves the model exactly as found: parameters, buffers (BatchNorm statistics), ``.grad``, training flags
 and the global RNG state are the same afterwards. During profiling every parameter has a zero gradient of its own,
@@ -41,7 +42,7 @@ from .measure import (
     to_device,
     user_code,
 )
-from .memtrack import AllocationTracker, MemoryMeter, map_tensors, nbytes, storage_of, storages, tensors
+from .memtrack import AllocationLog, MemoryMeter, map_tensors, nbytes, storage_of, storages, tensors
 from .stages import sequentialize
 
 __all__ = ["profile"]
@@ -169,40 +170,44 @@ class _StageProfile:
     def _memory(self) -> None:
         """xbar, fwd_tmp, bwd_tmp from one recording forward + backward and one no-grad forward."""
         inp = self._input()
-        saved: dict[int, torch.UntypedStorage] = {}
+        saved: dict[int, tuple[int, int]] = {}  # what autograd saves: id(storage) -> (address, bytes)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = storage_of(t)
             if st is not None:
-                saved[id(st)] = st
+                saved[id(st)] = (st.data_ptr(), st.nbytes())
             return t
 
-        with MemoryMeter(self.dev) as meter:
-            # which storages this forward creates (on the CPU the meter's own tracker knows: never nest it twice)
-            with nullcontext(meter.tracker) if meter.tracker else AllocationTracker() as created:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = self._forward(inp)
-            fwd_peak = meter.peak
+        # Which saved storages the forward created comes from the allocator's log (the CPU meter's own; on CUDA a
+        # second one beside the statistics): a dispatch-mode tracker would make compiled stages run eager.
+        created = nullcontext(None) if self.dev.type != "cuda" else AllocationLog(self.dev)
+        with MemoryMeter(self.dev) as meter, created as cuda_log:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = self._forward(inp)
             out_storages = storages(out)
-            kept = [st for k, st in saved.items() if k not in out_storages and created.created(st)]
-            self.xbar = self.out_bytes + sum(st.nbytes() for st in kept)
+            kept = {k: v for k, v in saved.items() if k not in out_storages}
             saved.clear()
-            del kept
+            if cuda_log is not None:
+                cuda_log.mark()
+            meter.mark()  # span 0: the recording forward; span 1: the backward
             diff = [t for t in tensors(out) if t.requires_grad]
-            meter.reset_peak()
-            before = meter.current
             if diff:
                 torch.autograd.backward(diff, self.grads)
-            bwd_peak = meter.peak - before
             del out, diff
         self._clear_input_grads()
         del inp
+        log = cuda_log if cuda_log is not None else meter.log
+        created = log.created_addresses(0)
+        self.xbar = self.out_bytes + sum(size for ptr, size in set(kept.values()) if ptr in created)
+        fwd, bwd = meter.spans
+        fwd_peak, bwd_peak = fwd.peak, bwd.peak - bwd.start
 
         inp = self._input()
         with torch.no_grad(), MemoryMeter(self.dev) as meter:
             out = self._forward(inp)
-            nograd_peak = meter.peak
-        del out, inp
+            del out
+        del inp
+        nograd_peak = meter.peak
         self.fwd_tmp = max(0, fwd_peak - self.xbar, nograd_peak - self.out_bytes)
         self.bwd_tmp = max(0, bwd_peak - self.in_bytes)
 
