@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -218,3 +219,44 @@ def test_activation_total_in_header():
     c = Chain(**small())
     assert f"activations {24 + 1} B" in repr(c)
     assert math.isclose(c.store_all_time, sum(c.fwd_time) + sum(c.bwd_time))
+
+
+def test_bandwidth_presets_validation_and_json():
+    from hchain_viz.core.chain import BANDWIDTH_PRESETS
+
+    c = Chain.random(3)
+    assert c.bandwidth is None and "bandwidth" not in c.to_dict()  # old chain files load unchanged
+    for name, label in (("pcie4", "PCIe 4.0 x16"), ("pcie5", "pcie 5.0 X16"), ("nvlink-c2c", "NVLink-C2C")):
+        assert c.with_bandwidth(name).bandwidth == c.with_bandwidth(label).bandwidth == BANDWIDTH_PRESETS[name]
+    d = c.with_bandwidth(3e9)
+    assert d.bandwidth == 3e9 and Chain.from_json(d.to_json()).bandwidth == 3e9
+    assert d.with_bandwidth(None).bandwidth is None
+    for bad in (0, -1.0, float("inf"), float("nan"), "usb", True, [1]):
+        with pytest.raises(InvalidChain, match="bandwidth"):
+            c.with_bandwidth(bad)
+
+
+def test_structure_fields_round_trip_and_default():
+    c = Chain(fwd_time=[1, 1, 1], bwd_time=[2, 2, 2], x=[4, 6, 6, 4], xbar=[8, 8, 4],
+              groups=[("h.0", 0, 1)], tags=["", "attn_core", ""], shared=[(1, 2, 3)])
+    assert c.groups == (("h.0", 0, 1),) and c.tags == ("", "attn_core", "") and c.shared == ((1, 2, 3),)
+    back = Chain.from_json(c.to_json())
+    assert (back.groups, back.tags, back.shared) == (c.groups, c.tags, c.shared)
+    plain = Chain(fwd_time=[1], bwd_time=[1], x=[1, 1], xbar=[1])
+    assert plain.groups == () and plain.tags == ("",) and plain.shared == ()
+    assert "groups" not in plain.to_dict() and "tags" not in plain.to_dict() and "shared" not in plain.to_dict()
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(groups=[("a", 0, 3)]), "outside"),
+    (dict(groups=[("a", 0, 1), ("b", 1, 2)]), "overlap"),
+    (dict(groups=[("a", 1, 0)]), "reversed"),
+    (dict(tags=["x"]), "one per stage"),
+    (dict(shared=[(2, 1, 1)]), "first < last"),
+    (dict(shared=[(0, 1, 5)]), "more than x[0]"),
+    (dict(shared=[(0, 1, -1)]), "negative"),
+    (dict(shared=[(0, 1)]), "(first_boundary, last_boundary, bytes)"),
+])
+def test_structure_fields_are_validated(kw, words):
+    with pytest.raises(InvalidChain, match=re.escape(words)):
+        Chain(fwd_time=[1, 1, 1], bwd_time=[2, 2, 2], x=[4, 6, 6, 4], xbar=[8, 8, 4], **kw)
