@@ -119,3 +119,111 @@ def test_a_compiled_module_is_not_cut_into_stages():
     compiled = torch.compile(mlp(), backend=CountingBackend())
     with pytest.raises(NotSequentialError, match="compile=True"):
         profile(compiled, torch.randn(8, 32), progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- compiled stages
+def block() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3))
+
+
+def bn_dropout_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(block(), block(), block(), nn.Linear(16, 4))
+
+
+def reference_step(model: nn.Module, x: torch.Tensor, options: dict) -> tuple:
+    """The same stages, each compiled the same way, run one after another with autograd (no schedule)."""
+    from hchain_viz.runtime.stages import sequentialize
+
+    h = x
+    for _, stage in sequentialize(model):
+        h = torch.compile(stage, **options)(h)
+    return _loss_and_results(model, h)
+
+
+def _loss_and_results(model: nn.Module, out: torch.Tensor) -> tuple:
+    loss = (out ** 2).mean()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach(), grads, [b.clone() for b in model.buffers()], torch.get_rng_state()
+
+
+@pytest.mark.parametrize("strategy", ["recompute_all", "periodic"])
+def test_compiled_stages_under_a_schedule_equal_the_compiled_stages_without_one(strategy):
+    # Dropout (RNG replayed), BatchNorm (statistics updated once) and recomputed compiled stages: bitwise equal to
+    # the same compiled stages run without a schedule (aot_eager: AOTAutograd's graphs, without inductor's cost).
+    from hchain_viz.core import strategies
+    from hchain_viz.core.chain import Chain
+    from hchain_viz.runtime.wrap import wrap
+
+    x = torch.randn(8, 16)
+    model = bn_dropout_net()
+    chain = Chain.homogeneous(13)
+    schedule = strategies.recompute_all(chain) if strategy == "recompute_all" else strategies.periodic(chain, 3)
+    assert schedule.n_recomputed > 0
+    wrapped = wrap(model, schedule, compile={"backend": "aot_eager"})
+    assert "compiled stages" in repr(wrapped)
+    for step in range(2):  # the second step reuses the graphs compiled in the first
+        start = [b.clone() for b in model.buffers()]
+        torch.manual_seed(step)
+        expected = reference_step(model, x, {"backend": "aot_eager", "fullgraph": True})
+        for b, s in zip(model.buffers(), start):
+            b.copy_(s)
+        torch.manual_seed(step)
+        got = _loss_and_results(model, wrapped(x))
+        assert torch.equal(got[0], expected[0])
+        assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+        assert all(torch.equal(a, b) for a, b in zip(got[2], expected[2]))
+        assert torch.equal(got[3], expected[3])
+
+
+def test_identical_layers_share_compiled_graphs():
+    from hchain_viz.core import strategies
+    from hchain_viz.core.chain import Chain
+    from hchain_viz.runtime.wrap import wrap
+
+    backend = CountingBackend()
+    model = bn_dropout_net()
+    wrapped = wrap(model, strategies.store_all(Chain.homogeneous(13)), compile={"backend": backend})
+    wrapped(torch.randn(8, 16)).sum().backward()
+    # 13 stages of 4 kinds (Linear, BatchNorm1d, ReLU, Dropout): the first stage sees an input that needs no grad
+    assert backend.calls == 13
+    assert backend.compiles <= 6
+
+
+def test_torch_compile_of_a_wrapped_module_says_to_use_compile_true():
+    from hchain_viz.core import strategies
+    from hchain_viz.core.chain import Chain
+    from hchain_viz.errors import HChainError
+    from hchain_viz.runtime.wrap import wrap
+
+    wrapped = wrap(mlp(), strategies.recompute_all(Chain.homogeneous(3)))
+    x = torch.randn(8, 32)
+    with pytest.raises(HChainError, match="compile=True"):
+        torch.compile(wrapped, backend="eager")(x)
+    step = torch.compile(lambda x: wrapped(x).sum(), backend="eager")
+    with pytest.raises(HChainError, match="compile=True"):
+        step(x)
+    wrapped(x).sum().backward()  # still fine outside compiled code
+
+
+def test_profile_compiled_stages_predicts_the_compiled_schedule():
+    from hchain_viz.core import strategies
+    from hchain_viz.core.chain import Chain
+    from hchain_viz.core.simulate import simulate
+    from hchain_viz.runtime.wrap import wrap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)], nn.Linear(64, 8))
+    x = torch.randn(64, 64)
+    options = {"backend": "aot_eager"}
+    chain = profile(model, x, compile=options, warmup=0, repeats=1, progress=False)
+    assert "aot_eager" in chain.meta["compile"]
+    assert Chain.from_json(chain.to_json()).meta["compile"] == chain.meta["compile"]
+    assert len(chain) == 9 and all(t > 0 for t in chain.fwd_time)
+    for schedule in (strategies.store_all(chain), strategies.periodic(chain, 3)):
+        predicted = simulate(chain, schedule).peak_memory
+        measured = measure(wrap(model, schedule, compile=options), x, repeats=1).peak_bytes
+        assert 0.9 <= measured / predicted <= 1.0, (schedule, measured, predicted)

@@ -23,6 +23,7 @@ as in training after the first step, so accumulating into it is measured as a tr
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch import nn
 
 from ..core.chain import Chain
 from ..errors import NotSequentialError, ProfileError
+from .compiled import compile_options, compile_stage, describe
 from .fixed import check_optimizer, fixed_memory
 from .measure import (
     LossFn,
@@ -51,7 +53,8 @@ __all__ = ["profile"]
 
 def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5,
-            progress: bool = True, optimizer: torch.optim.Optimizer | None = None, world_size: int = 1) -> Chain:
+            progress: bool = True, optimizer: torch.optim.Optimizer | None = None, world_size: int = 1,
+            compile: bool | Mapping[str, Any] = False) -> Chain:
     """Measure ``model`` stage by stage on ``sample_input`` and return its :class:`Chain`.
 
     ``model``: an ``nn.Sequential`` (nested ones flattened), a list of modules or ``(name, module)`` pairs, or any
@@ -66,6 +69,10 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     transient (measured by two real steps on zero gradients, undone afterwards), buffers — so that
     ``simulate(...).device_peak`` and ``solution.schedule(device_memory=...)`` answer for the whole step (DESIGN §7).
     ``world_size``: the number of ranks sharding parameters, gradients and optimizer state (FSDP / ZeRO-3).
+    ``compile``: profile each stage compiled by ``torch.compile``, as ``hcv.wrap(model, schedule, compile=True)``
+    runs it (``True``, or a dict of ``torch.compile`` arguments; see ``runtime/compiled.py``): times of the compiled
+    forward and backward, x̄ = the output plus what the compiled graph saves for its backward, and the transients of
+    the compiled code. At least one untimed warm-up run compiles the graphs; ``meta["compile"]`` records the setting.
 
     ``Chain.meta`` records the device, dtype, ``param_bytes`` (parameters plus their gradients, reported beside the
     budget, not in it), model class, input shape, torch version and the profiling settings.
@@ -83,6 +90,11 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     if not stages:
         raise NotSequentialError(f"the {type(model).__name__} has no stages to profile")
     loss_fn = default_loss if loss_fn is None else loss_fn
+    options = compile_options(compile)
+    runners = ([s for _, s in stages] if options is None
+               else [compile_stage(s, options, len(stages)) for _, s in stages])
+    if options is not None:
+        warmup = max(warmup, 1)  # compiling (forward on the first call, backward on the first backward) is untimed
 
     from tqdm.auto import tqdm
 
@@ -91,7 +103,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     bar = tqdm(total=L, desc="profiling", unit="stage", disable=not progress, delay=0.5, leave=False)
     with preserved_state(modules + [m for _, m in stages], dev), bar:
         h = _leaves(sample_input)
-        for i, (name, stage) in enumerate(stages):
+        for i, ((name, _), stage) in enumerate(zip(stages, runners)):
             bar.set_postfix_str(name, refresh=False)
             r = _StageProfile(name, stage, h, dev, loss_fn if i == L - 1 else None)
             r.run(warmup, repeats)
@@ -111,9 +123,11 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         "warmup": warmup,
         "repeats": repeats,
         "timer": "cuda events" if dev.type == "cuda" else "perf_counter",
-        "memory": "cuda memory stats" if dev.type == "cuda" else "allocation tracker",
+        "memory": "cuda memory stats" if dev.type == "cuda" else "allocator log",
         "loss": "default (mean of squares)" if loss_fn is default_loss else repr(loss_fn),
     }
+    if options is not None:
+        meta["compile"] = describe(options)
     fixed = None
     if optimizer is not None:
         fixed = fixed_memory(params, [m for _, m in stages], [b for m in modules for b in m.buffers()], optimizer,
@@ -125,7 +139,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
 class _StageProfile:
     """Times and sizes of one stage, given its input ``h`` (tensors detached from any graph)."""
 
-    def __init__(self, name: str, stage: nn.Module, h: Any, dev: torch.device, loss_fn: LossFn | None):
+    def __init__(self, name: str, stage: Callable[[Any], Any], h: Any, dev: torch.device, loss_fn: LossFn | None):
         self.name, self.stage, self.h, self.dev, self.loss_fn = name, stage, h, dev, loss_fn
         self.in_bytes = nbytes(h)
 
