@@ -46,6 +46,7 @@ from .measure import (
     user_code,
 )
 from .memtrack import AllocationLog, MemoryMeter, map_tensors, nbytes, storage_of, storages, tensors
+from .progress import progress_bar
 from .stages import sequentialize
 
 __all__ = ["profile"]
@@ -62,7 +63,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     ``loss_fn(output) -> scalar`` gives the last stage its real output gradient; by default
     :func:`~hchain_viz.runtime.measure.default_loss` (mean of squares, whose gradient is a tensor the size of the
     output). ``device``: where to run (default: the model's device); the model must already be there.
-    ``progress``: show a tqdm bar while profiling takes more than a moment.
+    ``progress``: show a progress bar while profiling takes more than a moment (in a notebook, a widget that leaves a
+    line of text behind).
 
     ``optimizer``: the training step's real optimizer, built on ``model``'s parameters. With it, ``Chain.fixed``
     records the memory no schedule changes — parameters, their gradients, the optimizer's state and its step's
@@ -96,11 +98,9 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     if options is not None:
         warmup = max(warmup, 1)  # compiling (forward on the first call, backward on the first backward) is untimed
 
-    from tqdm.auto import tqdm
-
     L = len(stages)
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
-    bar = tqdm(total=L, desc="profiling", unit="stage", disable=not progress, delay=0.5, leave=False)
+    bar = progress_bar(L, "profiling", "stage", enabled=progress)  # in a notebook, text once done
     with preserved_state(modules + [m for _, m in stages], dev), bar:
         h = _leaves(sample_input)
         for i, ((name, _), stage) in enumerate(zip(stages, runners)):

@@ -1,17 +1,29 @@
 """The interactive explorer: a notebook widget to slide the memory budget and watch the optimal schedule change.
 
-``Explorer(chain)`` (or ``explore(model, x)``, which profiles first) lays out four plotly FigureWidgets — the
-frontier, the memory curve, the timeline and the storage tape — under a budget slider (MiB/GiB), a strategy selector
-(switch to a baseline, or overlay one), a Play button with a step slider that replays the schedule op by op, and the
+``Explorer(chain)`` (or ``explore(model, x)``, which profiles first) lays out four plotly figures in one
+:class:`~hchain_viz.viz.board.FigureBoard` that fills the output area — the frontier, the memory curve, the timeline and
+the storage tape — under a budget slider (MiB/GiB), a strategy selector (switch to a baseline, or overlay one), a
+Play button with a step slider that replays the schedule op by op, and the
 step's statistics. Clicking the frontier sets the budget. ``explorer.schedule`` / ``save_schedule`` / ``wrap`` export
 what is on screen.
 
 The explorer holds state and pushes data; it computes nothing itself. A budget change re-reads the solver's table
-(``solution.schedule``), simulates, and sends the figure builders' output (:mod:`hchain_viz.viz.figures`) into the
-widgets inside ``batch_update``. Slider events are throttled (:mod:`hchain_viz.viz.throttle`).
+(``solution.schedule``), simulates, stores the figure builders' output (:mod:`hchain_viz.viz.figures`) in the
+figures and has the board send the changed ones to the page. Slider events are throttled
+(:mod:`hchain_viz.viz.throttle`).
 
 Programmatic control mirrors the controls: ``explorer.budget = nbytes``, ``explorer.strategy = "revolve"``,
-``explorer.overlay = "sqrt_n"``, ``explorer.step = k``; ``explorer.figures`` maps names to the FigureWidgets.
+``explorer.overlay = "sqrt_n"``, ``explorer.step = k``; ``explorer.figures`` maps names to the figures.
+``explorer.close()`` releases its widgets; a new explorer closes the ones it replaces (same chain, same cell).
+
+Will it fit (DESIGN §7): for a chain that knows its fixed part (``hcv.profile(..., optimizer=opt)``) the explorer
+adds a device panel — a preset or custom device size, the allocator margin, and the memory axis: ``activations``
+(the budget of §3) or ``whole step`` (slider and frontier in device bytes, the fixed part drawn as a band). Picking a
+device sets the budget to the fastest schedule whose whole step fits, or says plainly that nothing fits. For a chain
+with a batch-size fit (``hcv.profile_batches``) a batch-size box re-solves at another batch size, and a fifth figure
+shows throughput against the batch size on the chosen device, marking the largest batch of each strategy.
+Programmatically: ``explorer.device_memory = "24GiB"``, ``explorer.margin = 0.1``, ``explorer.axis = "device"``,
+``explorer.batch = 64``.
 """
 
 from __future__ import annotations
@@ -22,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
+from ..core import device as D
 from ..core.chain import Chain
 from ..core.schedule import Schedule
 from ..core.simulate import simulate
 from ..core.strategies import STRATEGIES
 from ..core.units import format_bytes, format_time, parse_bytes
-from ..errors import DependencyError, HChainError, InfeasibleBudget
+from ..errors import DependencyError, DoesNotFit, HChainError, InfeasibleBudget
 from . import figures as F
 from . import style
 from .throttle import Throttle
@@ -37,8 +50,11 @@ try:
     import ipywidgets as W
     import plotly.graph_objects as go
     from plotly.basedatatypes import Undefined as _UNDEFINED  # "leave this property as it is" in plotly_update
-except ImportError as e:  # pragma: no cover - both are hard dependencies of the package
-    raise DependencyError("the explorer needs ipywidgets and plotly: `pip install ipywidgets plotly anywidget`") from e
+
+    from .board import FigureBoard
+except ImportError as e:  # pragma: no cover - all three are hard dependencies of the package
+    raise DependencyError("the explorer needs ipywidgets, plotly and anywidget: "
+                          "`pip install ipywidgets plotly anywidget`") from e
 
 __all__ = ["Explorer", "explore"]
 
@@ -47,6 +63,22 @@ OPTIMAL = "optimal"
 # when the figures are built. Fewer keys per update is most of what keeps a budget change fast.
 _DYNAMIC_DATA = frozenset(("x", "y", "base", "customdata", "text", "marker.opacity", "name", "showlegend"))
 _CACHE_SIZE = 64  # (strategy, budget) -> view; a slider dragged back and forth hits it
+# Explorers not yet closed, with the notebook cell that made each (None outside JupyterLab): a new explorer closes
+# the ones it replaces, so re-running a cell does not leave widgets alive in the kernel (and in a reloaded page).
+_OPEN: list[tuple[Explorer, str | None]] = []
+
+
+def _cell() -> tuple[str | None, list[str]]:
+    """The id of the notebook cell being run and of the cells deleted since the last run (JupyterLab and Notebook 7
+    send them with every execute request); (None, []) elsewhere."""
+    try:
+        from IPython import get_ipython
+
+        meta = get_ipython().kernel.get_parent()["metadata"]
+    except Exception:  # no IPython, no kernel, no parent message: not in a notebook
+        return None, []
+    cell = meta.get("cellId")
+    return (cell if isinstance(cell, str) else None), [c for c in meta.get("deletedCells") or [] if isinstance(c, str)]
 
 
 def _baseline_schedule(chain: Chain, name: str, budget: int) -> tuple[Schedule, str]:
@@ -81,32 +113,37 @@ class Explorer:
     throttle_ms:
         Least time between two redraws while the budget slider is dragged.
     width:
-        Width of the layout in pixels (the frontier and the memory curve share a row).
+        Largest width of the explorer in pixels; by default it fills its output area and follows it when that area
+        changes width (the frontier and the memory curve share a row, stacked below 720 px).
+    device_memory, margin, axis:
+        The device (bytes or text like ``"24GiB"``), allocator margin (a fraction) and memory axis
+        (``"activations"`` or ``"device"``) of the device panel; only for chains with a fixed part.
     """
 
     def __init__(self, chain: Chain, model: Any = None, *, solution: Any = None, budget: int | str | None = None,
-                 strategy: str = OPTIMAL, baselines: Any = None, throttle_ms: float = 60.0, width: int = 1100):
+                 strategy: str = OPTIMAL, baselines: Any = None, throttle_ms: float = 60.0, width: int | None = None,
+                 device_memory: int | str | None = None, margin: float = D.DEFAULT_MARGIN, axis: str = "activations"):
         if not isinstance(chain, Chain):
             raise HChainError(f"Explorer needs a Chain (from hcv.profile or hcv.Chain), got {type(chain).__name__}; "
                               "for a model use hcv.explore(model, sample_input)")
-        if solution is None:
-            from ..core.solver import solve
-
-            solution = solve(chain)
-        elif getattr(solution, "chain", None) != chain:
+        if solution is not None and getattr(solution, "chain", None) != chain:
             raise HChainError("the solution was solved for another chain; pass solution=hcv.solve(chain) for this one")
-        if solution.min_budget is None:
-            raise HChainError(f"no schedule fits up to max_budget = {format_bytes(solution.max_budget)}; solve "
-                              "again with a larger max_budget (the default, store-all's peak, always works)")
-        self.chain = chain
         self.model = model
-        self.solution = solution
-        self.min_budget = int(solution.min_budget)
-        self.max_budget = int(max(getattr(solution, "store_all_peak", solution.max_budget), self.min_budget))
-        self._unit = style.byte_unit(self.max_budget)  # one unit for every hover, so templates never change
         self._strategies = [OPTIMAL, *STRATEGIES]
-        self._frontier = F.FrontierData.of(solution, baselines)
-        self._cache: OrderedDict[tuple[str, int], tuple[TraceView, str]] = OrderedDict()
+        self._baselines = baselines
+        self._base_chain = chain  # the chain as given: batch sizes are taken from its fit
+        self._device: int | None = None  # bytes of the chosen device (None: no device chosen)
+        self._margin = D.DEFAULT_MARGIN
+        self._axis = "activations"
+        self._device_note = ""
+        self._device_fits = True
+        self._throughput_fig: go.Figure | None = None
+        if axis not in ("activations", "device"):
+            raise HChainError(f"axis must be 'activations' or 'device', got {axis!r}")
+        if (device_memory is not None or axis == "device") and chain.fixed is None:
+            raise HChainError("the device panel needs the chain's fixed part: profile with the optimizer, "
+                              "hcv.profile(model, x, loss_fn, optimizer=opt)")
+        self._set_chain(chain, solution)
 
         self._budget = self._check_budget(budget if budget is not None else (self.min_budget + self.max_budget) // 2)
         self._strategy = self._check_strategy(strategy)
@@ -116,8 +153,35 @@ class Explorer:
         self._step = self._view.n
         self._syncing = False  # True while the explorer itself moves a control: its observer must not echo
 
-        self._build_widgets(throttle_ms / 1000.0, int(width))
+        if width is not None and (not isinstance(width, int) or width < 300):
+            raise HChainError(f"width is the explorer's largest width in pixels, 300 or more (or None to fill the "
+                              f"output area), got {width!r}")
+        self._build_widgets(throttle_ms / 1000.0, width)
         self._draw_budget()
+        if self.chain.fixed is not None:
+            self._margin = self._check_margin(margin)
+            self._axis = axis
+            if device_memory is not None:
+                self._set_device(device_memory)
+            self._redraw_all()
+        self._replace_stale()
+
+    def _set_chain(self, chain: Chain, solution: Any = None) -> None:
+        """Solve ``chain`` (unless ``solution`` is given) and reset everything that depends on it."""
+        if solution is None:
+            from ..core.solver import solve
+
+            solution = solve(chain)
+        if solution.min_budget is None:
+            raise HChainError(f"no schedule fits up to max_budget = {format_bytes(solution.max_budget)}; solve "
+                              "again with a larger max_budget (the default, store-all's peak, always works)")
+        self.chain = chain
+        self.solution = solution
+        self.min_budget = int(solution.min_budget)
+        self.max_budget = int(max(getattr(solution, "store_all_peak", solution.max_budget), self.min_budget))
+        self._unit = style.byte_unit(self.max_budget)  # one unit for every hover, so templates never change
+        self._frontier = F.FrontierData.of(solution, self._baselines)
+        self._cache: OrderedDict[tuple[str, int], tuple[TraceView, str]] = OrderedDict()
 
     # ------------------------------------------------------------------------------------------ public state
     @property
@@ -163,6 +227,112 @@ class Explorer:
         self._step = k
         self._draw_step()
 
+    # ---------------------------------------------------------------- will it fit (DESIGN §7)
+    @property
+    def device_memory(self) -> int | None:
+        """The device chosen in the device panel (bytes), or None. Setting it (bytes, text like ``"24GiB"``, or a
+        :data:`~hchain_viz.core.device.DEVICE_PRESETS` label) moves the budget to the fastest schedule whose whole
+        step fits; when nothing fits, the budget stays and the panel says so (see :attr:`device_note`)."""
+        return self._device
+
+    @device_memory.setter
+    def device_memory(self, value: int | str | None) -> None:
+        self._need_fixed()
+        self._set_device(value)
+        self._redraw_all()
+
+    @property
+    def device_note(self) -> str:
+        """What the device panel says: the schedule chosen for the device, or why nothing fits ("" without device)."""
+        return self._device_note
+
+    @property
+    def margin(self) -> float:
+        """The allocator margin, a fraction of the device memory kept free."""
+        return self._margin
+
+    @margin.setter
+    def margin(self, value: float) -> None:
+        self._need_fixed()
+        self._margin = self._check_margin(value)
+        if self._device is not None:
+            self._set_device(self._device)
+        self._redraw_all()
+
+    @property
+    def axis(self) -> str:
+        """``"activations"`` (the slider and the frontier in activation bytes, DESIGN §3) or ``"device"`` (in bytes
+        of the whole step: the fixed part plus activations)."""
+        return self._axis
+
+    @axis.setter
+    def axis(self, value: str) -> None:
+        self._need_fixed()
+        if value not in ("activations", "device"):
+            raise HChainError(f"axis must be 'activations' or 'device', got {value!r}")
+        self._axis = value
+        self._redraw_all()
+
+    @property
+    def batch(self) -> int | None:
+        """The batch size shown (for a chain with a batch-size fit). Setting it re-solves at that size."""
+        return self.chain.batch
+
+    @batch.setter
+    def batch(self, value: int) -> None:
+        if self._base_chain.batch_fit is None:
+            raise HChainError("this chain has no batch-size fit; profile it with hcv.profile_batches(...)")
+        self._set_chain(self._base_chain.at_batch(value))
+        self._budget = min(max(self._budget, self.min_budget), self.max_budget)
+        if self._device is not None:
+            self._set_device(self._device)
+        self._redraw_all()
+
+    def _need_fixed(self) -> None:
+        if self.chain.fixed is None:
+            raise HChainError("the device panel needs the chain's fixed part: profile with the optimizer, "
+                              "hcv.profile(model, x, loss_fn, optimizer=opt)")
+
+    def _check_margin(self, value: Any) -> float:
+        D.usable_memory(1, value)  # validates
+        return float(value)
+
+    @property
+    def _offset(self) -> int:
+        """Bytes added to every budget on the slider and the frontier: the fixed part on the device axis."""
+        return self.chain.fixed.total_per_rank if self._axis == "device" and self.chain.fixed is not None else 0
+
+    def _set_device(self, value: int | str | None) -> None:
+        """Choose a device: the budget becomes that of the fastest schedule whose whole step fits it."""
+        if value is None:
+            self._device, self._device_note, self._device_fits, self._throughput_fig = None, "", True, None
+            return
+        if isinstance(value, str) and value in D.DEVICE_PRESETS:
+            value = D.DEVICE_PRESETS[value]
+        dev = parse_bytes(value)
+        usable = D.usable_memory(dev, self._margin)
+        self._device = dev
+        if self._base_chain.batch_fit is not None:  # throughput against the batch size on this device
+            self._throughput_fig = F.throughput(self._base_chain, dev, margin=self._margin)
+            b = self.chain.batch
+            self._throughput_fig.add_vline(x=b, line=dict(color=style.BUDGET_COLOR, dash="dot"),
+                                           annotation_text=f"batch {b}")
+        head = (f"{format_bytes(dev)} device, {100 * self._margin:g}% margin: {format_bytes(usable)} usable; fixed "
+                f"part {self.chain.fixed.describe()}")
+        try:
+            sched = self.solution.schedule(device_memory=dev, margin=self._margin)
+        except DoesNotFit as e:
+            self._device_fits = False
+            self._device_note = f"{e}"[0].upper() + f"{e}"[1:]
+            return
+        self._device_fits = True
+        budget = min(max(int(sched.meta.get("budget", self.max_budget)), self.min_budget), self.max_budget)
+        self._budget = budget
+        self._strategy = OPTIMAL
+        peak = simulate(self.chain, sched).device_peak
+        self._device_note = (f"{head}. Fits: the optimal schedule at {format_bytes(budget)} of activations, "
+                             f"whole-step peak {format_bytes(peak)} ({100 * peak / dev:.0f}% of the device)")
+
     @property
     def schedule(self) -> Schedule:
         """The schedule on screen, with the budget, strategy and predicted makespan and peak in its metadata."""
@@ -177,8 +347,9 @@ class Explorer:
         return self._view.trace
 
     @property
-    def figures(self) -> dict[str, go.FigureWidget]:
-        """``{"frontier", "memory", "timeline", "tape"}`` → FigureWidget."""
+    def figures(self) -> dict[str, go.Figure]:
+        """``{"frontier", "memory", "timeline", "tape"}`` → the figure on screen (a ``go.Figure`` kept in step with
+        the page; change it through the explorer, not directly)."""
         return dict(self._figs)
 
     @property
@@ -199,6 +370,25 @@ class Explorer:
         from ..runtime.wrap import wrap
 
         return wrap(model, self.schedule, **kwargs)
+
+    def close(self) -> None:
+        """Release every widget of the explorer (controls and figures), in the kernel and in the page.
+
+        Called for you on the explorers a new one replaces: one on the same chain object, or one made by the same
+        notebook cell (a re-run) or by a deleted cell. The explorer's state (budget, schedule, figures) stays readable.
+        """
+        self._throttled_budget.cancel()
+        for w in [self._link, *_tree(self._layout)]:
+            w.close()
+        _OPEN[:] = [(e, c) for e, c in _OPEN if e is not self]
+
+    def _replace_stale(self) -> None:
+        """Close the open explorers this one replaces (see :meth:`close`), then register this one."""
+        cell, deleted = _cell()
+        for other, other_cell in list(_OPEN):
+            if other.chain is self.chain or (other_cell is not None and (other_cell == cell or other_cell in deleted)):
+                other.close()
+        _OPEN.append((self, cell))
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
         return self._layout._repr_mimebundle_(**kwargs)
@@ -249,12 +439,14 @@ class Explorer:
         return out
 
     # ------------------------------------------------------------------------------------------ widgets
-    def _build_widgets(self, throttle_s: float, width: int) -> None:
+    def _build_widgets(self, throttle_s: float, width: int | None) -> None:
         lo, hi = self.min_budget, self.max_budget
+        # Widths flex with the output area: rows wrap instead of scrolling sideways when it is narrow.
+        grow = W.Layout(flex="1 1 240px", min_width="160px", max_width="560px")
         self._budget_slider = W.IntSlider(
             value=min(self._budget, hi), min=lo, max=max(hi, lo + 1), step=max(1, (hi - lo) // 1000),
-            description="budget", readout=False, continuous_update=True, layout=W.Layout(width="420px"))
-        self._budget_label = W.HTML()
+            description="budget", readout=False, continuous_update=True, layout=grow)
+        self._budget_label = W.HTML(layout=W.Layout(flex="0 0 auto"))
         self._strategy_dd = W.Dropdown(options=self._strategies, value=self._strategy, description="strategy",
                                        layout=W.Layout(width="230px"))
         # "" stands for "no overlay": an ipywidgets Dropdown treats the value None as "nothing selected" and shows
@@ -263,14 +455,16 @@ class Explorer:
                                       description="compare", layout=W.Layout(width="230px"))
         self._play = W.Play(value=self._step, min=0, max=self._view.n, interval=80, description="play")
         self._step_slider = W.IntSlider(value=self._step, min=0, max=self._view.n, description="step",
-                                        continuous_update=True, layout=W.Layout(width="420px"))
-        W.jslink((self._play, "value"), (self._step_slider, "value"))  # the browser advances the slider itself
-        # Fixed height: a label that wraps to one or two lines by op name would make the figures jump during Play.
-        self._step_label = W.HTML(layout=W.Layout(height="44px", overflow="hidden"))
+                                        continuous_update=True, layout=grow)
+        self._link = W.jslink((self._play, "value"), (self._step_slider, "value"))  # the browser moves the slider
+        # One line, whatever the width: a label that wrapped by op name would make the figures jump during Play.
+        self._step_label = W.HTML(layout=W.Layout(height="28px", overflow="hidden"))
+        self._step_label.add_class("hcv-oneline")
         self._stats = W.HTML()
         self._path = W.Text(value="schedule.json", description="file", layout=W.Layout(width="300px"))
         self._save = W.Button(description="Save schedule", icon="download")
         self._save_label = W.HTML()
+        device_row = self._build_device_widgets()
 
         self._throttled_budget = Throttle(self._on_budget_slider, throttle_s)
         self._budget_slider.observe(lambda ch: self._syncing or self._throttled_budget(ch["new"]), "value")
@@ -279,57 +473,184 @@ class Explorer:
         self._step_slider.observe(lambda ch: self._syncing or self._on_step_slider(ch["new"]), "value")
         self._save.on_click(lambda _: self._on_save())
 
-        fd = self._frontier
-        # Fixed pixel widths (plotly's autosize misjudges widget boxes), given in the layout each widget is BUILT
-        # with: a later `fig.layout.width = w` only reaches views that already exist, so a browser that renders
-        # the widget afterwards (Voila, a reopened notebook) would autosize to 700 px and clip the half-width pair.
-        half = dict(width=width // 2)
-        full = dict(width=width)
-        self._figs = {
-            "frontier": go.FigureWidget(data=F.frontier_traces(fd, self._budget, self._unit),
-                                        layout={**F.frontier_layout(fd), **half}),
-            "memory": go.FigureWidget(data=F.memory_traces(self._view, self._budget, None, None, self._unit),
-                                      layout={**F.memory_layout(self._view, self._budget), **half}),
-            "timeline": go.FigureWidget(data=F.timeline_traces(self._view, None, self._unit),
-                                        layout={**F.timeline_layout(self._view), **full}),
-            "tape": go.FigureWidget(data=F.tape_traces(self._view, None, self._unit),
-                                    layout={**F.tape_layout(self._view), **full}),
-        }
-        self._n_frontier_curves = 1 + len(fd.baselines)  # optimal + baselines; the budget marks come after them
-        # Only the optimal curve listens: it is dense and the frontier's hovermode is "x", so a click anywhere lands
-        # on it near the pointer; plotly calls back once per clicked trace, and one answer per click is enough.
-        self._figs["frontier"].data[0].on_click(self._on_frontier_click)
+        self._figs = self._make_figures()
+        self._board = FigureBoard(self._figs, rows=self._rows())
+        self._board.on_click("frontier", self._on_frontier_click)
 
         L = self.chain.length
         head = W.HTML(f"<b>hchain_viz explorer</b> — {L} stages, store-all "
                       f"{format_time(self.chain.store_all_time)} at {format_bytes(self.max_budget)}; least feasible "
                       f"budget {format_bytes(self.min_budget)}")
+        row = dict(flex_flow="row wrap", align_items="center", width="100%")
         self._layout = W.VBox([
             head,
-            W.HBox([self._budget_slider, self._budget_label]),
-            W.HBox([self._strategy_dd, self._overlay_dd]),
-            W.HBox([self._play, self._step_slider, self._step_label]),
+            W.HBox([self._budget_slider, self._budget_label], layout=W.Layout(**row)),
+            W.HBox([self._strategy_dd, self._overlay_dd], layout=W.Layout(**row)),
+            W.HBox([self._play, self._step_slider], layout=W.Layout(**row)),
+            self._step_label,
+            *device_row,
             self._stats,
-            W.HBox([self._figs["frontier"], self._figs["memory"]], layout=W.Layout(width="100%")),
-            self._figs["timeline"],
-            self._figs["tape"],
-            W.HBox([self._path, self._save, self._save_label]),
-        ])
+            self._board,
+            W.HBox([self._path, self._save, self._save_label], layout=W.Layout(**row)),
+        ], layout=W.Layout(width="100%", min_width="0", max_width=None if width is None else f"{width}px"))
+        self._layout.add_class("hcv-explorer")
+
+    def _make_figures(self) -> dict[str, go.Figure]:
+        """Every figure from scratch for the current chain, budget and axis."""
+        fd = self._frontier
+        # No widths: the board sizes every figure to its grid cell, and again whenever the output area changes.
+        figs = {
+            "frontier": go.Figure(data=self._frontier_traces(F.frontier_traces(fd, self._budget, self._unit)),
+                                  layout=self._frontier_layout()),
+            "memory": go.Figure(data=F.memory_traces(self._view, self._budget, None, None, self._unit),
+                                layout=F.memory_layout(self._view, self._budget)),
+            "timeline": go.Figure(data=F.timeline_traces(self._view, None, self._unit),
+                                  layout=F.timeline_layout(self._view)),
+            "tape": go.Figure(data=F.tape_traces(self._view, None, self._unit), layout=F.tape_layout(self._view)),
+        }
+        if self._throughput_fig is not None:
+            figs["throughput"] = self._throughput_fig
+        self._n_frontier_curves = 1 + len(fd.baselines)  # optimal + baselines; the budget marks come after them
+        return figs
+
+    def _rows(self) -> list[list[str]]:
+        rows = [["frontier", "memory"], ["timeline"], ["tape"]]
+        return rows + [["throughput"]] if self._throughput_fig is not None else rows
+
+    def _frontier_traces(self, traces: list[dict]) -> list[dict]:
+        """Frontier traces on the current axis: budgets moved by the fixed part on the device axis."""
+        off = self._offset
+        if not off:
+            return traces
+        return [{**t, "x": [v + off for v in t["x"]]} if "x" in t else t for t in traces]
+
+    def _frontier_layout(self) -> dict:
+        """The frontier's layout; on the device axis: in device bytes from 0, the fixed part a band, the device and
+        its usable part lines."""
+        lay = F.frontier_layout(self._frontier)
+        off = self._offset
+        if self.chain.fixed is None or (not off and self._device is None):
+            return lay
+        x_lo, x_hi = self._frontier.x_range
+        shapes = [dict(sh, x0=sh["x0"] + off, x1=sh["x1"] + off) for sh in lay.get("shapes", [])]
+        notes = [dict(a, x=a["x"] + off) for a in lay.get("annotations", [])]
+        lo = 0 if off else x_lo
+        hi = x_hi + off
+        if off:
+            shapes.append(dict(type="rect", xref="x", yref="paper", x0=0, x1=off, y0=0, y1=1, layer="below",
+                               fillcolor="rgba(148, 103, 189, 0.25)", line_width=0))
+            notes.append(dict(x=off / 2, y=0.95, xref="x", yref="paper", showarrow=False,
+                              text=f"fixed {format_bytes(off)}", font=dict(color="#5b3f8c")))
+        if self._device is not None:  # on the activation axis the device lines sit at what is left for activations
+            base = 0 if off else self.chain.fixed.total_per_rank
+            for x, dash, text in ((D.usable_memory(self._device, self._margin) - base, "dash", "usable"),
+                                  (self._device - base, "solid", "device")):
+                shapes.append(dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1,
+                                   line=dict(color="#d62728", dash=dash, width=1.5)))
+                notes.append(dict(x=x, y=1.0, xref="x", yref="paper", showarrow=False, text=text, yanchor="bottom",
+                                  font=dict(color="#d62728")))
+                hi = max(hi, x)
+        lay["xaxis"] = dict(style.byte_axis(lo, hi, "device memory" if off else ""), range=[lo, hi * 1.02])
+        lay["shapes"], lay["annotations"] = shapes, notes
+        if off:
+            lay["title"] = dict(lay["title"], text=f"Makespan vs device memory (fixed part {format_bytes(off)} + "
+                                                   f"activations)")
+        return lay
+
+    def _redraw_all(self) -> None:
+        """After a change of chain, device or axis: every control and figure from the current state."""
+        self._view, self._note = self._view_for(self._strategy, self._budget)
+        self._overlay_view = None if self._overlay is None else self._view_for(self._overlay, self._budget)[0]
+        self._step = self._view.n
+        off = self._offset
+        self._syncing = True
+        try:
+            lo, hi = self.min_budget + off, self.max_budget + off
+            self._budget_slider.min = min(self._budget_slider.min, lo)  # keep min <= max while moving both
+            self._budget_slider.max = max(hi, lo + 1)
+            self._budget_slider.min = lo
+            self._budget_slider.step = max(1, (hi - lo) // 1000)
+            self._budget_slider.description = "device" if off else "budget"
+            if self._device_widgets:
+                self._axis_tb.value = self._axis
+                self._margin_slider.value = self._margin
+                if self._batch_box is not None:
+                    self._batch_box.value = self.chain.batch
+        finally:
+            self._syncing = False
+        self._figs = self._make_figures()
+        self._board.figures = dict(self._figs)
+        self._board.rows = self._rows()
+        self._draw_budget(frontier=False)
+        self._device_label.value = self._device_html()
+
+    def _device_html(self) -> str:
+        if self.chain.fixed is None:
+            return ""
+        if not self._device_note:
+            return ("<i>choose a device to see whether a training step fits (fixed part "
+                    f"{html.escape(self.chain.fixed.describe())})</i>")
+        bad = not self._device_fits
+        return f"<div style='color:{'#c00' if bad else '#060'}'>{html.escape(self._device_note)}</div>"
+
+    def _build_device_widgets(self) -> list[W.Widget]:
+        """The device panel (presets, custom size, margin, axis) and the batch-size box; none without a fixed part."""
+        self._device_widgets = self.chain.fixed is not None
+        self._batch_box = None
+        self._device_label = W.HTML()
+        if not self._device_widgets:
+            return []
+        options = [("none", 0)] + [(k, v) for k, v in D.DEVICE_PRESETS.items()] + [("custom", -1)]
+        self._device_dd = W.Dropdown(options=options, value=0, description="device", layout=W.Layout(width="300px"))
+        self._custom = W.Text(placeholder="custom, e.g. 20GiB", layout=W.Layout(width="160px"),
+                              continuous_update=False)
+        self._margin_slider = W.FloatSlider(value=self._margin, min=0.0, max=0.3, step=0.01, description="margin",
+                                            readout_format=".0%", continuous_update=False)
+        self._axis_tb = W.ToggleButtons(options=[("activations", "activations"), ("whole step", "device")],
+                                        value=self._axis, description="axis")
+        self._device_dd.observe(lambda ch: self._syncing or self._on_device(ch["new"]), "value")
+        self._custom.observe(lambda ch: self._syncing or self._on_device(-1), "value")
+        self._margin_slider.observe(lambda ch: self._syncing or setattr(self, "margin", ch["new"]), "value")
+        self._axis_tb.observe(lambda ch: self._syncing or setattr(self, "axis", ch["new"]), "value")
+        row = dict(flex_flow="row wrap", align_items="center", width="100%")
+        items = [self._device_dd, self._custom, self._margin_slider, self._axis_tb]
+        if self.chain.batch_fit is not None:
+            self._batch_box = W.BoundedIntText(value=self.chain.batch, min=1, max=2**24, description="batch",
+                                               layout=W.Layout(width="180px"))
+            self._batch_box.observe(lambda ch: self._syncing or setattr(self, "batch", ch["new"]), "value")
+            items.append(self._batch_box)
+        return [W.HBox(items, layout=W.Layout(**row)), self._device_label]
+
+    def _on_device(self, choice: int) -> None:
+        if choice == 0:
+            self.device_memory = None
+            return
+        if choice == -1:
+            text = self._custom.value.strip()
+            if not text:
+                return
+            try:
+                self.device_memory = text
+            except HChainError as e:
+                self._device_label.value = f"<div style='color:#c00'>{html.escape(str(e))}</div>"
+            return
+        self.device_memory = choice
 
     # ------------------------------------------------------------------------------------------ event handlers
     def _on_budget_slider(self, value: int) -> None:
-        self._budget = self._check_budget(max(int(value), self.min_budget))
+        self._budget = self._check_budget(max(int(value) - self._offset, self.min_budget))
         self._draw_budget()
 
     def _on_step_slider(self, value: int) -> None:
         self._step = min(int(value), self._view.n)
         self._draw_step()
 
-    def _on_frontier_click(self, trace: Any, points: Any, state: Any) -> None:
-        """A click on the frontier jumps to that budget (clamped to the feasible range)."""
-        if not points.xs:
-            return
-        self.budget = int(min(max(points.xs[0], self.min_budget), self.max_budget))
+    def _on_frontier_click(self, click: dict) -> None:
+        """A click on the frontier jumps to that budget (clamped to the feasible range). The frontier's hovermode is
+        "x", so a click anywhere lands on the curves near the pointer; the budget is where it landed."""
+        x = click.get("x")
+        if isinstance(x, (int, float)) and np.isfinite(x):
+            self.budget = int(min(max(x - self._offset, self.min_budget), self.max_budget))
 
     def _on_save(self) -> None:
         try:
@@ -347,7 +668,8 @@ class Explorer:
         v = self._view
         self._syncing = True
         try:
-            self._budget_slider.value = min(max(self._budget, self._budget_slider.min), self._budget_slider.max)
+            self._budget_slider.value = min(max(self._budget + self._offset, self._budget_slider.min),
+                                            self._budget_slider.max)
             self._strategy_dd.value = self._strategy
             self._overlay_dd.value = self._overlay or ""
             self._play.max = self._step_slider.max = v.n
@@ -355,13 +677,22 @@ class Explorer:
             self._play.value = self._step_slider.value = v.n
         finally:
             self._syncing = False
-        self._budget_label.value = f"<b>{format_bytes(self._budget)}</b>"
+        off = self._offset
+        self._budget_label.value = (f"<b>{format_bytes(self._budget + off)}</b> = fixed {format_bytes(off)} + "
+                                    f"activations {format_bytes(self._budget)}" if off else
+                                    f"<b>{format_bytes(self._budget)}</b>")
         self._push_views(None)
         if frontier or self._strategy != OPTIMAL:
             tr = v.trace
             point = None if self._strategy == OPTIMAL else (tr.peak_memory, tr.makespan)
-            _push(self._figs["frontier"], F.frontier_budget_traces(self._frontier, self._budget, point),
-                  first=self._n_frontier_curves)
+            if point is not None and self._offset:
+                point = (point[0] + self._offset, point[1])
+            marks = F.frontier_budget_traces(self._frontier, self._budget, point)
+            if self._offset:  # the budget marks sit at the budget: move them with the axis
+                marks = [{**t, "x": [v + self._offset if v is not None else v for v in t["x"]]} if "x" in t else t
+                         for t in marks]
+            _push(self._figs["frontier"], marks, first=self._n_frontier_curves)
+        self._board.sync()
         self._draw_stats()
 
     def _draw_step(self) -> None:
@@ -372,6 +703,7 @@ class Explorer:
         finally:
             self._syncing = False
         self._push_views(self._step)
+        self._board.sync(("memory", "timeline", "tape"))
         self._draw_step_label()
 
     def _push_views(self, step: int | None) -> None:
@@ -395,28 +727,31 @@ class Explorer:
         rows = [(self._strategy, self._view)]
         if self._overlay_view is not None:
             rows.append((self._overlay, self._overlay_view))
+        whole = self.chain.fixed is not None
         cells = "".join(
             f"<tr><td><b>{html.escape(name)}</b></td><td>{format_time(v.makespan)}</td>"
             f"<td>{100 * v.trace.overhead:+.1f}%</td><td>{format_bytes(v.peak)}</td>"
-            f"<td>{v.trace.n_recomputed}</td><td>{v.n}</td></tr>" for name, v in rows)
+            + (f"<td>{format_bytes(v.trace.device_peak)}</td>" if whole else "")
+            + f"<td>{v.trace.n_recomputed}</td><td>{v.n}</td></tr>" for name, v in rows)
         over = self._view.peak > self._budget
         note = self._note or (f"peak exceeds the budget by {format_bytes(self._view.peak - self._budget)}"
                               if over else "")
         self._stats.value = (
             "<table style='border-collapse:collapse' cellpadding='3'><tr><th>strategy</th><th>makespan</th>"
-            "<th>overhead vs store-all</th><th>peak</th><th>recomputed forwards</th><th>ops</th></tr>"
+            "<th>overhead vs store-all</th><th>peak</th>" + ("<th>whole-step peak</th>" if whole else "")
+            + "<th>recomputed forwards</th><th>ops</th></tr>"
             f"{cells}</table>" + (f"<div style='color:#c00'>{html.escape(note)}</div>" if note else ""))
         self._draw_step_label()
 
 
-def _push(fig: go.FigureWidget, traces: list[dict], layout: dict | None = None, first: int = 0) -> None:
-    """Send builder output into a FigureWidget as ONE plotly update message: trace ``first + j`` gets ``traces[j]``.
+def _push(fig: go.Figure, traces: list[dict], layout: dict | None = None, first: int = 0) -> None:
+    """Store builder output in a figure as ONE plotly update: trace ``first + j`` gets ``traces[j]``.
 
     NOTE [fast updates]: ``fig.plotly_update`` (the same path the browser's own edits take) stores values without
     plotly.py's per-property validation, which costs milliseconds per property and dominated a budget change. This
     is safe because the values come from the very builders whose output was validated when the figure was built,
-    and only values that differ from the stored ones are sent. It is the one-message equivalent of assigning every
-    property inside ``fig.batch_update()``.
+    and only values that differ from the stored ones are stored. It is the equivalent of assigning every property
+    inside ``fig.batch_update()``; the board then sends the figures that changed to the page (``FigureBoard.sync``).
     """
     flat = [{k: v for k, v in _flatten(d).items() if k in _DYNAMIC_DATA} for d in traces]
     keys = dict.fromkeys(k for f in flat for k in f)
@@ -424,6 +759,11 @@ def _push(fig: go.FigureWidget, traces: list[dict], layout: dict | None = None, 
     relayout = {} if layout is None else {k: layout[k] for k in F.DYNAMIC_LAYOUT if k in layout}
     fig.plotly_update(restyle_data=restyle, relayout_data=relayout,
                       trace_indexes=list(range(first, first + len(traces))))
+
+
+def _tree(w: W.Widget) -> list[W.Widget]:
+    """``w`` and every widget inside it."""
+    return [w, *(x for c in getattr(w, "children", ()) for x in _tree(c))]
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
