@@ -338,3 +338,11 @@ def test_rerunning_a_notebook_cell_replaces_its_explorer(chain, solution, monkey
     assert _alive(second) == [] and _alive(third) and _alive(fourth)
     third.close()
     fourth.close()
+
+
+def test_a_chain_of_compiled_stages_says_so(ex, chain, solution):
+    import dataclasses
+
+    assert "compiled" not in ex._head.value
+    compiled = dataclasses.replace(chain, meta={**chain.meta, "compile": "fullgraph=True"})
+    assert "compiled stages" in Explorer(compiled, solution=solution)._head.value
