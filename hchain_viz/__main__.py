@@ -4,7 +4,7 @@
 - ``profile MODEL``: profile a built-in model (``resnet_chain``) or ``module:function`` and write a Chain JSON.
 - ``solve CHAIN.json``: print the time-vs-memory frontier and write the optimal schedule JSON for ``--budget``.
 - ``fit MODEL --device-memory 24GiB``: will a training step fit? The largest batch per strategy on that device.
-- ``bench NAME``: run a benchmark (solver, profile, train, widget, models) and print its table.
+- ``bench NAME``: run a benchmark (solver, profile, train, widget, models, fit, gpu) and print its table.
 """
 
 from __future__ import annotations
@@ -195,6 +195,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
 
     from .core import device
     from .core.units import format_bytes, parse_bytes
+    from .runtime import models
     from .runtime.batch import profile_batches
 
     try:
@@ -204,7 +205,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
     usable = device.usable_memory(args.device_memory, args.margin)  # checks both before the long part
     make = _make_batch(args.model)
     model = (_load_model_with(args.model, batch=batches[0]) if ":" in args.model else
-             __import__("hchain_viz.runtime.models", fromlist=["demo_model"]).demo_model(args.model))[0]
+             models.demo_model(args.model))[0]
     if args.device:
         model = model.to(args.device)
         inner = make

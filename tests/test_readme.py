@@ -24,7 +24,7 @@ def test_readme_gives_the_two_setup_commands_and_the_benchmarks():
     bash = re.findall(r"```bash\n(.*?)```", README, re.S)
     assert any(b.strip().endswith("python -m hchain_viz demo") for b in bash)
     assert any(b.strip().endswith("python -m pytest") for b in bash)
-    for name in ("solver", "train", "profile", "widget", "models", "fit"):
+    for name in ("solver", "train", "profile", "widget", "models", "fit", "gpu"):
         assert f"python -m hchain_viz bench {name}" in README
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-BENCHMARKS = ("solver", "profile", "train", "widget", "models", "fit", "compile")
+BENCHMARKS = ("solver", "profile", "train", "widget", "models", "fit", "gpu", "compile")
 
 
 def print_table(head: Sequence[object], rows: Sequence[Sequence[object]], *, left: int = 0, rule: bool = False) -> None:
@@ -35,6 +35,15 @@ def run(name: str, args: list[str]) -> None:
     if name not in BENCHMARKS:
         raise HChainError(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
     importlib.import_module(f".{name}", __name__).run(list(args))
+
+
+def pareto_efficient(points: Sequence[tuple[float, float]]) -> list[bool]:
+    """For each ``(memory, time)`` point: False when another point uses as much memory or less and is faster.
+
+    The rule by which the benchmarks count ``checkpoint_sequential``'s segment counts: a count that saves no memory
+    over a faster one is a configuration nobody would pick, and a gain measured against it says nothing.
+    """
+    return [not any(mq <= mp and tq < tp for mq, tq in points) for mp, tp in points]
 
 
 def positive_int(text: str) -> int:
