@@ -371,3 +371,11 @@ def test_transformer_baselines_are_offered_where_they_apply(ex):
     tx.strategy = "selective"
     assert tx.schedule.meta["strategy"] == "selective"
     assert {"per_layer", "selective"} <= {t.name for t in tx.figures["frontier"].data}
+
+
+def test_a_chain_of_compiled_stages_says_so(ex, chain, solution):
+    import dataclasses
+
+    assert "compiled" not in ex._head.value
+    compiled = dataclasses.replace(chain, meta={**chain.meta, "compile": "fullgraph=True"})
+    assert "compiled stages" in Explorer(compiled, solution=solution)._head.value

@@ -7,7 +7,15 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from hchain_viz.runtime.memtrack import AllocationTracker, MemoryMeter, nbytes, storages, tensors  # noqa: E402
+from hchain_viz.errors import ProfileError  # noqa: E402
+from hchain_viz.runtime.memtrack import (  # noqa: E402
+    AllocationLog,
+    AllocationTracker,
+    MemoryMeter,
+    nbytes,
+    storages,
+    tensors,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -81,15 +89,51 @@ def test_tracker_follows_out_resize():
     assert tr.current == 0
 
 
-def test_memory_meter_cpu():
+def test_memory_meter_cpu_spans():
+    keep = torch.ones(100)
     with MemoryMeter("cpu") as m:
-        a = torch.empty(256)
+        a = torch.empty(256)  # 1024 bytes
         b = torch.empty(256)
         del b
-        assert m.current == 1024 and m.peak == 2048
-        m.reset_peak()
-        assert m.peak == 1024
+        m.mark()
+        c = torch.empty(512)  # 2048 bytes
+        del c, keep  # keep was allocated before the meter: its free is not counted
+    assert [(s.start, s.peak, s.end) for s in m.spans] == [(0, 2048, 1024), (1024, 3072, 1024)]
+    assert m.current == 1024 and m.peak == 3072
+    assert m.log.created_addresses(0) == {a.untyped_storage().data_ptr()}
+    assert m.log.created_addresses(1) == set()
     del a
+
+
+def test_allocation_log_is_read_after_the_block_and_does_not_nest():
+    with AllocationLog() as log:
+        with pytest.raises(ProfileError, match="after its block"):
+            _ = log.peak
+        with pytest.raises(ProfileError, match="already running"), AllocationLog():
+            pass
+    assert log.peak == 0
+
+
+def test_allocation_log_agrees_with_the_tensor_tracker_and_sees_scratch_buffers():
+    # A linear layer allocates nothing but tensors: both must agree exactly. A convolution's backward allocates
+    # scratch buffers (unfolded columns) that only the allocator sees.
+    lin, x = nn.Linear(100, 200), torch.randn(32, 100, requires_grad=True)
+    conv, img = nn.Conv2d(8, 8, 3, padding=1), torch.randn(2, 8, 16, 16, requires_grad=True)
+    for model, inp in ((lin, x), (conv, img)):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        peaks = []
+        for meter in (AllocationTracker(), AllocationLog()):
+            with meter:
+                out = model(inp)
+                out.backward(torch.ones_like(out))
+            inp.grad = None
+            del out
+            peaks.append(meter.peak)
+        if model is lin:
+            assert peaks[0] == peaks[1] == 4 * (32 * 200 * 2 + 32 * 100 + 200 * 100 + 200)
+        else:
+            assert peaks[1] > peaks[0]
 
 
 @pytest.mark.cuda
@@ -100,6 +144,6 @@ def test_memory_meter_cuda():
         b = torch.empty(2**20, device=dev)
         del b
         assert m.current == 4 * 2**20 and m.peak == 8 * 2**20
-        m.reset_peak()
-        assert m.peak == 4 * 2**20
+        m.mark()
+        assert m.peak == 8 * 2**20 and m.spans[-1].peak == 4 * 2**20
     del a

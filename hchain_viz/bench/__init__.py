@@ -6,6 +6,7 @@
 - ``widget``: server-side time of one explorer budget change.
 - ``models``: automatic chain extraction on real architectures.
 - ``fit``: whole-step peaks and largest batch sizes, predicted vs measured (will it fit, DESIGN §7).
+- ``compile``: compiled stages under the optimal schedule against torch.compile's activation_memory_budget.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-BENCHMARKS = ("solver", "profile", "train", "widget", "models", "fit", "gpu")
+BENCHMARKS = ("solver", "profile", "train", "widget", "models", "fit", "gpu", "compile")
 
 
 def print_table(head: Sequence[object], rows: Sequence[Sequence[object]], *, left: int = 0, rule: bool = False) -> None:

@@ -80,8 +80,10 @@ def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None,
 
     ``sample_input`` is passed as one argument (a tuple stays one tuple, as in ``nn.Sequential``); each step gets a
     fresh copy, so a module that writes into its input never changes yours. One untimed warm-up step runs first, then
-    ``repeats`` timed steps; on the CPU the memory comes from one more step under an :class:`AllocationTracker`
-    (tracking slows ops, so it is never timed), on CUDA from the allocator's statistics of the timed steps.
+    ``repeats`` timed steps; on the CPU the memory comes from one more step under an :class:`AllocationLog` (the
+    allocator's own record of allocations and frees, through PyTorch's profiler; it slows ops, so it is never
+    timed), on CUDA from the allocator's statistics of the timed steps. Neither changes what the module runs: a
+    compiled module (``torch.compile``) is measured compiled and stays compiled.
 
     ``optimizer``: measure a whole training step — forward, backward, ``optimizer.step()``, ``optimizer.zero_grad()``
     — in the steady state (the warm-up step creates the optimizer's state; gradients start each step freed, as
@@ -144,7 +146,7 @@ def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None,
             else:
                 times.append(_timed(lambda x=x: step(x), dev))
             del x
-        if dev.type != "cuda":  # tracking slows every op: one more step, untimed
+        if dev.type != "cuda":  # logging allocations slows every op: one more step, untimed
             zero_grads()
             x = fresh_copy(sample_input)
             with MemoryMeter(dev) as meter:

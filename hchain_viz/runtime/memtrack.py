@@ -2,27 +2,40 @@
 
 - :func:`tensors` / :func:`map_tensors` walk the tensors inside nested tuples / lists / dicts.
 - :func:`nbytes` counts the bytes held by the tensors inside a (nested) output, each storage once.
-- :class:`AllocationTracker` is a ``TorchDispatchMode`` that sees every ATen op (forward and backward), notes each
-  storage an op creates, and follows it with a weak reference until it is freed — the approach of PyTorch's
-  ``torch.distributed._tools.mem_tracker``. It works on any device and is how memory is measured on the CPU, where
-  PyTorch keeps no allocator statistics. It sees tensors, not the scratch buffers a kernel allocates and frees
-  internally (e.g. convolution workspaces), so on the CPU it measures tensor memory exactly and nothing else.
-- :class:`MemoryMeter` gives bytes allocated above the moment it was entered: CUDA allocator statistics on a GPU, an
-  AllocationTracker elsewhere. Profiling and measuring both use it, so predicted and measured memory agree on terms.
+- :class:`AllocationLog` records what the device's allocator itself reports to PyTorch's profiler
+  (``profile_memory``): every allocation and free, in order, with its address. It is how memory is measured on the
+  CPU, where PyTorch keeps no allocator statistics, and how profiling tells which saved tensors a forward created.
+  It changes nothing the code does: compiled code (``torch.compile``) stays compiled, unlike under a
+  ``TorchDispatchMode``, which makes Dynamo run eager and mark the code as skipped for the rest of the process.
+  It sees every tensor and every scratch buffer that goes through c10's allocator (convolution workspaces included);
+  it does not see memory that bypasses it: oneDNN / MKL / OpenMP internal scratch, stack arrays inside compiled
+  C++ kernels, Python objects, and memory allocated before the log started (only its frees would show, and those
+  are ignored).
+- :class:`AllocationTracker` is a ``TorchDispatchMode`` that notes each storage an ATen op creates and follows it with
+  a weak reference (the approach of ``torch.distributed._tools.mem_tracker``). It sees tensors only (not scratch
+  buffers), and it de-compiles compiled code (see above), so measuring no longer uses it.
+- :class:`MemoryMeter` gives bytes allocated above the moment it was entered, split into spans by :meth:`mark`:
+  CUDA allocator statistics on a GPU, an AllocationLog elsewhere. Profiling and measuring both use it, so predicted
+  and measured memory agree on terms.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["tensors", "map_tensors", "cuda_devices", "storage_of", "storages", "nbytes", "AllocationTracker",
-           "MemoryMeter"]
+from ..errors import ProfileError
+
+__all__ = ["tensors", "map_tensors", "cuda_devices", "storage_of", "storages", "nbytes", "AllocationLog", "Span",
+           "AllocationTracker", "MemoryMeter"]
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:
@@ -83,6 +96,144 @@ def nbytes(obj: Any, exclude: Iterable[torch.UntypedStorage] = ()) -> int:
     return loose + sum(st.nbytes() for k, st in storages(obj).items() if k not in skip)
 
 
+@dataclass(frozen=True)
+class Span:
+    """One stretch of a measurement (between :meth:`MemoryMeter.mark` calls), in bytes above the level at entry:
+    the level when it began, the highest level inside it, and the level when it ended."""
+
+    start: int
+    peak: int
+    end: int
+
+
+_MARK = "hchain_viz::mark"
+
+
+class AllocationLog:
+    """The allocations and frees ``device``'s allocator reports while the log is active (a context manager).
+
+    Read it after the block: ``spans`` (one :class:`Span` per stretch between :meth:`mark` calls), ``peak`` and
+    ``current`` (bytes above entry), and :meth:`created_addresses` (the memory allocated in a span and still alive
+    at its end). Only memory allocated inside the block is followed: frees of older memory are ignored, so
+    ``current`` starts at 0 and never counts what was resident before.
+
+    It runs PyTorch's profiler with ``profile_memory`` and nothing else recorded (``torch.autograd``'s low-level
+    entry points: a session costs under a millisecond, the public ``torch.profiler.profile`` about 100 ms). It cannot
+    run inside another profiler session.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.spans: list[Span] = []
+        self._alive: list[set[int]] = []  # per span: addresses allocated in it and alive at its end
+        self._on = False
+
+    def __enter__(self) -> AllocationLog:
+        from torch._C._profiler import ProfilerActivity, _ExperimentalConfig
+        from torch.autograd import ProfilerConfig, ProfilerState, _enable_profiler, _prepare_profiler
+
+        if torch._C._autograd._profiler_enabled():
+            raise ProfileError("memory is measured through PyTorch's profiler, which is already running; call "
+                               "measure() / profile() outside torch.profiler.profile(...)")
+        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        with _quiet_stderr():
+            _prepare_profiler(config, {ProfilerActivity.CPU})
+            _enable_profiler(config, {ProfilerActivity.CPU})
+        self._on = True
+        return self
+
+    def mark(self) -> None:
+        """End the current span and start the next one."""
+        handle = torch.ops.profiler._record_function_enter_new(_MARK, None)
+        torch.ops.profiler._record_function_exit._RecordFunction(handle)
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch.autograd import _disable_profiler
+
+        with _quiet_stderr():
+            result = _disable_profiler()
+        self._on = False
+        self._read(result.experimental_event_tree())
+
+    def _read(self, roots: list) -> None:
+        from torch._C._profiler import _EventType
+
+        events: list[tuple[int, int, int, int]] = []  # (time, order, bytes or 0 for a mark, address)
+        stack = list(reversed(roots))
+        while stack:  # depth first, in order
+            e = stack.pop()
+            if e.tag == _EventType.Allocation:
+                a = e.typed[1]
+                if _same_device(a.device, self.device):
+                    events.append((e.start_time_ns, len(events), a.alloc_size, a.ptr))
+            elif e.name == _MARK:
+                events.append((e.start_time_ns, len(events), 0, 0))
+            stack.extend(reversed(e.children))
+        events.sort()
+        live: dict[int, int] = {}  # address -> bytes, for memory allocated inside the log
+        level = start = peak = 0
+        first: set[int] = set()  # addresses allocated in the current span
+        for _, _, size, ptr in events:
+            if size > 0:
+                live[ptr] = size
+                first.add(ptr)
+                level += size
+                peak = max(peak, level)
+            elif size < 0:
+                if ptr in live:  # a free of older memory (allocated before the log) is not ours to count
+                    level -= live.pop(ptr)
+            else:  # a mark
+                self.spans.append(Span(start, peak, level))
+                self._alive.append({p for p in first if p in live})
+                start = peak = level
+                first = set()
+        self.spans.append(Span(start, peak, level))
+        self._alive.append({p for p in first if p in live})
+
+    @property
+    def peak(self) -> int:
+        return max(s.peak for s in self._read_spans())
+
+    @property
+    def current(self) -> int:
+        return self._read_spans()[-1].end
+
+    def _read_spans(self) -> list[Span]:
+        if not self.spans:
+            raise ProfileError("an allocation log is read after its block has ended (the allocator's events are "
+                               "collected when the profiler stops)")
+        return self.spans
+
+    def created_addresses(self, span: int = 0) -> set[int]:
+        """Addresses of the memory allocated during span ``span`` and still alive when it ended (compare with
+        ``storage.data_ptr()``)."""
+        return self._alive[span]
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.type != "cuda" or (a.index or 0) == (b.index or 0))
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Kineto prints a line to the process's stderr each time a profiler session starts and stops: silence that
+    file descriptor for the duration of those two calls only (never around user code)."""
+    try:
+        fd = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
+
 class AllocationTracker(TorchDispatchMode):
     """Current and peak bytes of the storages created while the mode is active (on every device but ``meta``).
 
@@ -141,18 +292,22 @@ class AllocationTracker(TorchDispatchMode):
 
 
 class MemoryMeter:
-    """Bytes allocated on ``device`` above the level at entry: ``current``, ``peak`` and :meth:`reset_peak`.
+    """Bytes allocated on ``device`` above the level at entry, split into :class:`Span` s by :meth:`mark`.
 
     CUDA: the caching allocator's ``memory_allocated`` / ``max_memory_allocated`` (every tensor on the device, in the
-    allocator's 512-byte blocks). Other devices: an :class:`AllocationTracker` (tensors created inside the block).
-    Meters do not nest on CUDA (each resets the device's peak statistic).
+    allocator's 512-byte blocks); the statistics are reset at entry and at each mark, so meters do not nest.
+    Other devices: an :class:`AllocationLog` (``log``), whose ``created_addresses`` callers may use. Read ``spans``,
+    ``peak`` and ``current`` after the block (on CUDA, they can also be read inside it).
     """
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.tracker = None if self.cuda else AllocationTracker()  # the CPU tracker, shared with callers
+        self.log = None if self.cuda else AllocationLog(self.device)
         self._base = 0
+        self._spans: list[Span] = []
+        self._start = 0
+        self._closed = False
 
     def __enter__(self) -> MemoryMeter:
         if self.cuda:
@@ -160,31 +315,41 @@ class MemoryMeter:
             self._base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            self.tracker.__enter__()
+            self.log.__enter__()
         return self
+
+    def mark(self) -> None:
+        """End the current span and start the next one."""
+        if self.cuda:
+            self._spans.append(self._cuda_span())
+            self._start = self._spans[-1].end
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.log.mark()
 
     def __exit__(self, *exc: Any) -> None:
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            self._spans.append(self._cuda_span())
+            self._closed = True
         else:
-            self.tracker.__exit__(*exc)
+            self.log.__exit__(*exc)
+
+    def _cuda_span(self) -> Span:
+        torch.cuda.synchronize(self.device)
+        end = torch.cuda.memory_allocated(self.device) - self._base
+        return Span(self._start, max(torch.cuda.max_memory_allocated(self.device) - self._base, self._start), end)
 
     @property
-    def current(self) -> int:
-        if self.cuda:
-            return torch.cuda.memory_allocated(self.device) - self._base
-        return self.tracker.current
+    def spans(self) -> list[Span]:
+        """The spans so far: on CUDA inside the block, the open one is included as it stands."""
+        if not self.cuda:
+            return self.log._read_spans()
+        return self._spans if self._closed else [*self._spans, self._cuda_span()]
 
     @property
     def peak(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device) - self._base
-        return self.tracker.peak
+        return max(s.peak for s in self.spans)
 
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self.tracker.reset_peak()
+    @property
+    def current(self) -> int:
+        return self.spans[-1].end

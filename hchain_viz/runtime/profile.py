@@ -12,7 +12,8 @@ own, in order, on the real output of the stage before (only one stage's autograd
   buffers, the stage input and constants are resident anyway).
 - ``fwd_tmp[i]``: peak bytes above the resident set during the forward, beyond what the forward leaves (largest of
   the recording forward and a no-grad one); ``bwd_tmp[i]``: the same for the backward, beyond the input gradient.
-  Measured by :class:`~hchain_viz.runtime.memtrack.MemoryMeter` (CUDA statistics, or allocation tracking on the CPU).
+  Measured by :class:`~hchain_viz.runtime.memtrack.MemoryMeter` (CUDA statistics, or the allocator's own log of
+  allocations and frees on the CPU, which leaves compiled stages compiled).
 
 Profiling leaves the model exactly as found: parameters, buffers (BatchNorm statistics), ``.grad``, training flags
 and the global RNG state are the same afterwards. During profiling every parameter has a zero gradient of its own,
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 import warnings
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -31,6 +33,7 @@ from torch import nn
 
 from ..core.chain import Chain
 from ..errors import NotSequentialError, ProfileError, TimingWarning
+from .compiled import compile_options, compile_stage, describe
 from .fixed import check_optimizer, fixed_memory
 from .measure import (
     LossFn,
@@ -43,7 +46,7 @@ from .measure import (
     to_device,
     user_code,
 )
-from .memtrack import AllocationTracker, MemoryMeter, map_tensors, nbytes, storage_of, storages, tensors
+from .memtrack import AllocationLog, MemoryMeter, map_tensors, nbytes, storage_of, storages, tensors
 from .progress import progress_bar
 from .stages import sequentialize
 
@@ -52,7 +55,8 @@ __all__ = ["profile"]
 
 def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5,
-            progress: bool = True, optimizer: torch.optim.Optimizer | None = None, world_size: int = 1) -> Chain:
+            progress: bool = True, optimizer: torch.optim.Optimizer | None = None, world_size: int = 1,
+            compile: bool | Mapping[str, Any] = False) -> Chain:
     """Measure ``model`` stage by stage on ``sample_input`` and return its :class:`Chain`.
 
     ``model``: an ``nn.Sequential`` (nested ones flattened), a list of modules or ``(name, module)`` pairs, or any
@@ -68,6 +72,10 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     transient (measured by two real steps on zero gradients, undone afterwards), buffers — so that
     ``simulate(...).device_peak`` and ``solution.schedule(device_memory=...)`` answer for the whole step (DESIGN §7).
     ``world_size``: the number of ranks sharding parameters, gradients and optimizer state (FSDP / ZeRO-3).
+    ``compile``: profile each stage compiled by ``torch.compile``, as ``hcv.wrap(model, schedule, compile=True)``
+    runs it (``True``, or a dict of ``torch.compile`` arguments; see ``runtime/compiled.py``): times of the compiled
+    forward and backward, x̄ = the output plus what the compiled graph saves for its backward, and the transients of
+    the compiled code. At least one untimed warm-up run compiles the graphs; ``meta["compile"]`` records the setting.
 
     ``Chain.meta`` records the device, dtype, ``param_bytes`` (parameters plus their gradients, reported beside the
     budget, not in it), model class, input shape, torch version and the profiling settings.
@@ -85,6 +93,11 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     if not stages:
         raise NotSequentialError(f"the {type(model).__name__} has no stages to profile")
     loss_fn = default_loss if loss_fn is None else loss_fn
+    options = compile_options(compile)
+    runners = ([s for _, s in stages] if options is None
+               else [compile_stage(s, options, len(stages)) for _, s in stages])
+    if options is not None:
+        warmup = max(warmup, 1)  # compiling (forward on the first call, backward on the first backward) is untimed
 
     L = len(stages)
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
@@ -92,7 +105,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     bar = progress_bar(L, "profiling", "stage", enabled=progress)  # in a notebook, text once done
     with preserved_state(modules + [m for _, m in stages], dev), bar:
         h = _leaves(sample_input)
-        for i, (name, stage) in enumerate(stages):
+        for i, ((name, _), stage) in enumerate(zip(stages, runners)):
             bar.set_postfix_str(name, refresh=False)
             r = _StageProfile(name, stage, h, dev, loss_fn if i == L - 1 else None)
             r.run(warmup, repeats)
@@ -115,9 +128,11 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         # per stage, half the range of the repeats' times over their median: the time is median ± spread
         "time_spread": {"fwd": fwd_spread, "bwd": bwd_spread},
         "timer": "cuda events" if dev.type == "cuda" else "perf_counter",
-        "memory": "cuda memory stats" if dev.type == "cuda" else "allocation tracker",
+        "memory": "cuda memory stats" if dev.type == "cuda" else "allocator log",
         "loss": "default (mean of squares)" if loss_fn is default_loss else repr(loss_fn),
     }
+    if options is not None:
+        meta["compile"] = describe(options)
     fixed = None
     if optimizer is not None:
         fixed = fixed_memory(params, [m for _, m in stages], [b for m in modules for b in m.buffers()], optimizer,
@@ -149,7 +164,7 @@ def _warn_if_noisy(chain: Chain) -> None:
 class _StageProfile:
     """Times and sizes of one stage, given its input ``h`` (tensors detached from any graph)."""
 
-    def __init__(self, name: str, stage: nn.Module, h: Any, dev: torch.device, loss_fn: LossFn | None):
+    def __init__(self, name: str, stage: Callable[[Any], Any], h: Any, dev: torch.device, loss_fn: LossFn | None):
         self.name, self.stage, self.h, self.dev, self.loss_fn = name, stage, h, dev, loss_fn
         self.in_bytes = nbytes(h)
 
@@ -208,40 +223,44 @@ class _StageProfile:
     def _memory(self) -> None:
         """xbar, fwd_tmp, bwd_tmp from one recording forward + backward and one no-grad forward."""
         inp = self._input()
-        saved: dict[int, torch.UntypedStorage] = {}
+        saved: dict[int, tuple[int, int]] = {}  # what autograd saves: id(storage) -> (address, bytes)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = storage_of(t)
             if st is not None:
-                saved[id(st)] = st
+                saved[id(st)] = (st.data_ptr(), st.nbytes())
             return t
 
-        with MemoryMeter(self.dev) as meter:
-            # which storages this forward creates (on the CPU the meter's own tracker knows: never nest it twice)
-            with nullcontext(meter.tracker) if meter.tracker else AllocationTracker() as created:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = self._forward(inp)
-            fwd_peak = meter.peak
+        # Which saved storages the forward created comes from the allocator's log (the CPU meter's own; on CUDA a
+        # second one beside the statistics): a dispatch-mode tracker would make compiled stages run eager.
+        created = nullcontext(None) if self.dev.type != "cuda" else AllocationLog(self.dev)
+        with MemoryMeter(self.dev) as meter, created as cuda_log:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = self._forward(inp)
             out_storages = storages(out)
-            kept = [st for k, st in saved.items() if k not in out_storages and created.created(st)]
-            self.xbar = self.out_bytes + sum(st.nbytes() for st in kept)
+            kept = {k: v for k, v in saved.items() if k not in out_storages}
             saved.clear()
-            del kept
+            if cuda_log is not None:
+                cuda_log.mark()
+            meter.mark()  # span 0: the recording forward; span 1: the backward
             diff = [t for t in tensors(out) if t.requires_grad]
-            meter.reset_peak()
-            before = meter.current
             if diff:
                 torch.autograd.backward(diff, self.grads)
-            bwd_peak = meter.peak - before
             del out, diff
         self._clear_input_grads()
         del inp
+        log = cuda_log if cuda_log is not None else meter.log
+        created = log.created_addresses(0)
+        self.xbar = self.out_bytes + sum(size for ptr, size in set(kept.values()) if ptr in created)
+        fwd, bwd = meter.spans
+        fwd_peak, bwd_peak = fwd.peak, bwd.peak - bwd.start
 
         inp = self._input()
         with torch.no_grad(), MemoryMeter(self.dev) as meter:
             out = self._forward(inp)
-            nograd_peak = meter.peak
-        del out, inp
+            del out
+        del inp
+        nograd_peak = meter.peak
         self.fwd_tmp = max(0, fwd_peak - self.xbar, nograd_peak - self.out_bytes)
         self.bwd_tmp = max(0, bwd_peak - self.in_bytes)
 

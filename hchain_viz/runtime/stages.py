@@ -48,6 +48,13 @@ def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | in
     The modules in the list are ``model``'s own (parameters shared, nothing copied); fused stages and the
     functional glue of torchvision models (``flatten``) are new parameter-free wrappers.
     """
+    if _is_compiled(model):
+        raise NotSequentialError(
+            f"the model is compiled as a whole (torch.compile returned a {type(model).__name__}); its stages cannot "
+            f"be cut out of one compiled graph. Pass the plain model (compiled._orig_mod) with compile=True "
+            f"(hcv.profile(model, x, compile=True), hcv.wrap(model, schedule, compile=True)): each stage is then "
+            f"compiled on its own"
+        )
     stages, kind = _structural_stages(model)
     if sample_input is None and kind not in ("sequential", "list"):
         # A model profiled before (profile(model, x)) keeps its extracted stages: the same cut as the profile.
@@ -215,6 +222,11 @@ def fuse(stages: list[Stage]) -> Stage:
 
 class _Fused(nn.Sequential):
     """Stages run as one (so an in-place stage only ever overwrites its predecessor's private output)."""
+
+
+def _is_compiled(model: Any) -> bool:
+    """Whether ``model`` is what ``torch.compile(module)`` returns (checked without importing Dynamo)."""
+    return type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module)
 
 
 def _fuse_marked(stages: list[Stage], marked: list[bool]) -> list[Stage]:

@@ -31,6 +31,7 @@ from ..core.chain import Chain
 from ..core.schedule import Schedule
 from ..core.simulate import simulate
 from ..errors import HChainError, InvalidSchedule, NotSequentialError
+from .compiled import check_not_compiled, compile_options, compile_stage, describe
 from .memtrack import cuda_devices
 from .stages import sequentialize
 
@@ -45,7 +46,8 @@ _FIRST = 1  # first run of a stage that is replayed later: remember its RNG stat
 _REPLAY = 2  # a recomputation: same RNG as the first run, buffers left as the first run left them
 
 
-def wrap(model: nn.Module, schedule: Schedule | str, *, preserve_rng_state: bool = True) -> ScheduledModule:
+def wrap(model: nn.Module, schedule: Schedule | str, *, preserve_rng_state: bool = True,
+         compile: bool | Mapping[str, Any] = False) -> ScheduledModule:
     """An ``nn.Module`` that trains ``model`` by ``schedule`` (same results as eager, the schedule's memory).
 
     ``schedule`` is a :class:`~hchain_viz.Schedule` (or its text, ``"Fck0 Fn1 Fall2 Loss B2 ..."``) for the chain
@@ -54,11 +56,17 @@ def wrap(model: nn.Module, schedule: Schedule | str, *, preserve_rng_state: bool
     the random numbers of their first run, as ``torch.utils.checkpoint`` does; turn it off only for stages that
     draw no random numbers, to save the (small) cost of saving RNG states.
 
+    ``compile``: ``True`` compiles each stage with ``torch.compile`` (regional compilation, identical layers sharing
+    one graph; see ``runtime/compiled.py``) while the executor around the stages stays eager; a dict gives
+    ``torch.compile`` arguments (e.g. ``{"backend": "aot_eager"}``). Profile with the same setting
+    (``hcv.profile(model, x, compile=True)``) so the schedule is solved for the compiled stages' sizes. The wrapped
+    module itself must not be passed to ``torch.compile`` (an HChainError says to use ``compile=True``).
+
     The returned module keeps ``model`` as a submodule but its ``state_dict()`` and ``load_state_dict()`` use the
     plain model's keys, so checkpoints load either way. In ``eval()`` mode or under ``torch.no_grad()`` it simply
     calls ``model``.
     """
-    return ScheduledModule(model, schedule, preserve_rng_state=preserve_rng_state)
+    return ScheduledModule(model, schedule, preserve_rng_state=preserve_rng_state, compile=compile)
 
 
 class ScheduledModule(nn.Module):
@@ -68,7 +76,8 @@ class ScheduledModule(nn.Module):
     known: at construction for structured models, else after the first training call).
     """
 
-    def __init__(self, model: nn.Module, schedule: Schedule | str, *, preserve_rng_state: bool = True):
+    def __init__(self, model: nn.Module, schedule: Schedule | str, *, preserve_rng_state: bool = True,
+                 compile: bool | Mapping[str, Any] = False):
         super().__init__()
         if isinstance(model, ScheduledModule):
             raise NotSequentialError("the model is already wrapped by a schedule; wrap its .model instead")
@@ -80,10 +89,12 @@ class ScheduledModule(nn.Module):
         self.model = model
         self.schedule = _as_schedule(schedule)
         self.preserve_rng_state = bool(preserve_rng_state)
+        self.compile_options = compile_options(compile)
         self.length, events = _check_grammar(self.schedule)
         self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length, events)
         self.stages: list[tuple[str, nn.Module]] | None = None
         self._stage_modules: list[nn.Module] = []
+        self._runners: list[Any] = []  # what runs stage i: its module, or its compiled version
         self._stage_buffers: list[list[tuple[nn.Module, str]]] = []
         self._stats_buffers: list[list[tuple[nn.Module, str]]] = []
         # Learned across steps: does stage i write into its input (None: not seen yet)? Which of its input tensors
@@ -109,6 +120,9 @@ class ScheduledModule(nn.Module):
         # so registering them again would duplicate state_dict keys.
         self.stages = list(stages)
         self._stage_modules = [m for _, m in stages]
+        options = self.compile_options
+        self._runners = (self._stage_modules if options is None
+                         else [compile_stage(m, options, len(stages)) for m in self._stage_modules])
         self._stage_buffers = [
             [(mod, name) for mod in m.modules() for name, b in mod._buffers.items() if b is not None]
             for m in self._stage_modules
@@ -130,8 +144,10 @@ class ScheduledModule(nn.Module):
         self._set_stages(stages)
 
     # ------------------------------------------------------------------ running
+    @torch.compiler.disable(recursive=False)  # never traced: the check below must run (see runtime/compiled.py)
     def forward(self, x: Any) -> Any:
         """Train by the schedule; in eval mode or without grad, run the plain model."""
+        check_not_compiled()
         if not (self.training and torch.is_grad_enabled()):
             return self.model(x)
         self._ensure_stages(x)
@@ -151,7 +167,8 @@ class ScheduledModule(nn.Module):
 
     def extra_repr(self) -> str:
         name = self.schedule.meta.get("strategy", "schedule")
-        return f"schedule={name}: {len(self.schedule)} ops, {self.schedule.n_recomputed} recomputed forwards"
+        text = f"schedule={name}: {len(self.schedule)} ops, {self.schedule.n_recomputed} recomputed forwards"
+        return text + (f", compiled stages ({describe(self.compile_options)})" if self.compile_options else "")
 
 
 # ---------------------------------------------------------------------------------------------- one step
@@ -206,7 +223,7 @@ class _Step:
 
     def _forward_op(self, kind: str, i: int, role: int, joined: bool, *, in_backward: bool) -> None:
         m = self.m
-        stage = m._stage_modules[i]
+        stage = m._runners[i]
         x_in = self._input(i)
         flat, spec = _flatten(x_in)
         if kind == "Fall":
@@ -303,7 +320,7 @@ class _Step:
             return stage(feed)
         if role == _FIRST:
             if self.m.preserve_rng_state:
-                self.rng[i] = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
+                self.rng[i] = self._rng_state()
             buffers = self.m._stage_buffers[i]
             before = [mod._buffers[name] for mod, name in buffers]
             versions = [b._version for b in before]
@@ -314,6 +331,15 @@ class _Step:
             return out
         with self._replaying(i):
             return stage(feed)
+
+    def _rng_state(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The global RNG state now, sharing the tensors of the last one taken when nothing drew a random number
+        since (a CPU generator state is 5 KB: stages without randomness then keep one copy between them)."""
+        state = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
+        last = next(reversed(self.rng.values()), None)
+        if last is not None and torch.equal(last[0], state[0]) and all(map(torch.equal, last[1], state[1])):
+            return last
+        return state
 
     @contextlib.contextmanager
     def _replaying(self, i: int) -> Iterator[None]:

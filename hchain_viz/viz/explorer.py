@@ -486,9 +486,12 @@ class Explorer:
         spread = self.chain.time_spread
         noise = "" if spread is None else (f" <span title='how much the profiled times varied across repeats'>"
                                            f"(times ±{100 * spread:.0f}%)</span>")
-        head = W.HTML(f"<b>hchain_viz explorer</b> — {L} stages, store-all "
+        # a chain profiled with compile=True says so: its times and sizes are those of the compiled stages
+        compiled = " (compiled stages, torch.compile)" if self.chain.meta.get("compile") else ""
+        head = W.HTML(f"<b>hchain_viz explorer</b> — {L} stages{compiled}, store-all "
                       f"{format_time(self.chain.store_all_time)}{noise} at {format_bytes(self.max_budget)}; least "
                       f"feasible budget {format_bytes(self.min_budget)}")
+        self._head = head
         row = dict(flex_flow="row wrap", align_items="center", width="100%")
         self._layout = W.VBox([
             head,

@@ -1,0 +1,256 @@
+"""Benchmark ``compile``: compiled stages under the optimal schedule against torch.compile's activation_memory_budget.
+
+For each demo model, all in one process, CPU, measured (never predicted) peaks and step times:
+
+- ``torch.compile(model)`` with ``torch._functorch.config.activation_memory_budget`` at each budget (1.0 .. 0.0),
+  bound to its compiled graph by a backend that sets the budget while AOTAutograd partitions;
+- the compiled-stage optimal schedule: ``profile(model, x, compile=True)``, solved, wrapped with ``compile=True``;
+  for each compile budget, the fastest of a few candidate schedules whose MEASURED peak is at most compile's;
+- the eager optimal schedule at the same peak, for reference;
+- gradients of one seeded step (dropout on, where the model has it): compile at each budget against its own budget
+  1.0 graph (same random stream), the compiled-stage schedule against the same compiled stages run without a
+  schedule, and both against eager.
+
+Step times are medians of interleaved rounds (shuffled order each round, so load on a shared machine hits every
+configuration alike), with the spread (max - min over rounds, relative to the median).
+
+    python -m hchain_viz bench compile [--models resnet_chain,nanogpt] [--rounds 5] [--threads 1] [--small]
+                                       [--budgets 1.0,0.7,0.5,0.3,0.1,0.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import positive_int, print_table
+
+SIZES = {  # CPU-sized demos (compiling is the slow part on a small machine)
+    "resnet_chain": dict(batch=8, image=32, width=16, blocks=(1, 1, 1, 1)),
+    "nanogpt": dict(batch=4, seq=64, dim=64, heads=4, layers=4, vocab=128, dropout=0.1),
+    "transformer_chain": dict(batch=4, seq=64, dim=64, layers=4, dropout=0.1),
+}
+SMALL = {
+    "resnet_chain": dict(batch=2, image=16, width=8, blocks=(1, 1)),
+    "nanogpt": dict(batch=2, seq=16, dim=32, heads=2, layers=2, vocab=64, dropout=0.1),
+    "transformer_chain": dict(batch=2, seq=16, dim=32, layers=2, dropout=0.1),
+}
+
+
+def run(args: list[str]) -> None:
+    """Print, per demo model, the comparison table and a summary line."""
+    import torch._dynamo
+
+    parser = argparse.ArgumentParser(prog="hchain_viz bench compile", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="resnet_chain,nanogpt", help="comma-separated demo names")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved timing rounds (median taken)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave as is)")
+    parser.add_argument("--budgets", default="1.0,0.7,0.5,0.3,0.1,0.0", help="activation_memory_budget values")
+    parser.add_argument("--small", action="store_true", help="tiny models, 2 rounds (a quick check)")
+    opts = parser.parse_args(args)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    budgets = [float(b) for b in opts.budgets.split(",")]
+    rounds = 2 if opts.small else opts.rounds
+    # Every compiled configuration of a model shares the code objects of its modules: let Dynamo keep them all.
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+    print(f"compile benchmark: torch {torch.__version__}, cpu, {torch.get_num_threads()} thread(s), median of {rounds} "
+          f"interleaved rounds (spread: max-min over rounds / median); peaks measured by hchain_viz.measure "
+          f"(allocator log: activations + input); the machine may be shared")
+    summary = []
+    for name in [n.strip() for n in opts.models.split(",")]:
+        summary.append(_one_model(name, (SMALL if opts.small else SIZES).get(name, {}), budgets, rounds))
+    print()
+    for line in summary:
+        print(line)
+
+
+def _one_model(name: str, sizes: dict, budgets: list[float], rounds: int) -> str:
+    from ..core.solver import solve
+    from ..core.units import format_bytes, format_time
+    from ..runtime import models
+    from ..runtime.compiled import compile_options, compile_stage
+    from ..runtime.measure import measure
+    from ..runtime.profile import profile
+    from ..runtime.stages import sequentialize
+    from ..runtime.wrap import wrap
+
+    model, x, loss_fn = models.demo_model(name, **sizes)
+    t0 = time.perf_counter()
+    # torch.compile at each budget
+    compiled = {b: torch.compile(model, backend=_budget_backend(b)) for b in budgets}
+    c_peak = {b: measure(m, x, loss_fn, repeats=1).peak_bytes for b, m in compiled.items()}
+    # compiled stages and eager, profiled and solved
+    options = compile_options(True)
+    chains = {"compiled": profile(model, x, loss_fn, compile=True, progress=False),
+              "eager": profile(model, x, loss_fn, progress=False)}
+    sols = {k: solve(c) for k, c in chains.items()}
+    # candidate schedules per kind: the optimum at each compile peak and a little below (measured may exceed
+    # predicted), and the least-memory one; measured once each
+    cands: dict[str, dict[tuple, tuple[Any, int, Any]]] = {"compiled": {}, "eager": {}}
+    for kind, sol in sols.items():
+        targets = [f * p for p in c_peak.values() for f in (1.0, 0.95, 0.9, 0.8)] + [sol.min_budget]
+        for t in sorted(set(int(t) for t in targets if t >= sol.min_budget)):
+            s = sol.schedule(t)
+            if s.ops in cands[kind]:
+                continue
+            w = wrap(model, s, compile=True if kind == "compiled" else False)
+            cands[kind][s.ops] = (w, measure(w, x, loss_fn, repeats=1).peak_bytes, s)
+    setup = time.perf_counter() - t0
+
+    modules = [model, *compiled.values()] + [w for k in cands for w, _, _ in cands[k].values()]
+    stats = _interleaved(modules, x, loss_fn, rounds)
+    t_of = {id(m): st for m, st in zip(modules, stats)}
+
+    # gradients with dropout: compile vs its own budget 1.0; compiled stages scheduled vs unscheduled; vs eager
+    ref_eager = _grads(model, model, x, loss_fn)
+    stages = [s for _, s in sequentialize(model, x)]
+    plain_compiled = _Chained([compile_stage(s, options, len(stages)) for s in stages])
+    ref_stages = _grads(model, plain_compiled, x, loss_fn)
+    ref_c1 = _grads(model, compiled[1.0], x, loss_fn) if 1.0 in compiled else None
+
+    def best(kind: str, limit: int) -> tuple[Any, int, Any] | None:
+        fits = [c for c in cands[kind].values() if c[1] <= limit]
+        return min(fits, key=lambda c: t_of[id(c[0])][0]) if fits else None
+
+    eager_t = t_of[id(model)]
+    head = ("budget", "compile peak", "compile time", "grad vs c@1.0", "grad vs eager", "ours peak", "meas/pred",
+            "ours time", "speedup", "grad vs unsched.", "grad vs eager", "eager-opt peak", "eager-opt time")
+    rows, speedups, ratios = [], [], []
+    for b in budgets:
+        m = compiled[b]
+        ct = t_of[id(m)]
+        g = _grads(model, m, x, loss_fn)
+        row = [f"{b:.1f}", format_bytes(c_peak[b]), _fmt_t(ct, format_time),
+               "-" if ref_c1 is None else _err(g, ref_c1), _err(g, ref_eager)]
+        ours = best("compiled", c_peak[b])
+        if ours is None:
+            row += ["(none fits)", "", "", "", "", ""]
+        else:
+            w, peak, s = ours
+            pred = _predicted(chains["compiled"], s)
+            ot = t_of[id(w)]
+            speedups.append(ct[0] / ot[0])
+            ratios.append(peak / pred)
+            gw = _grads(model, w, x, loss_fn)
+            row += [format_bytes(peak), f"{peak / pred:.3f}", _fmt_t(ot, format_time), f"{ct[0] / ot[0]:.2f}x",
+                    _err(gw, ref_stages), _err(gw, ref_eager)]
+        eo = best("eager", c_peak[b])
+        row += ["(none fits)", ""] if eo is None else [format_bytes(eo[1]), _fmt_t(t_of[id(eo[0])], format_time)]
+        rows.append(row)
+    low = min(cands["compiled"].values(), key=lambda c: c[1])
+    print()
+    print(f"{name} {sizes}: {chains['compiled'].length} stages; eager step {_fmt_t(eager_t, format_time)}; "
+          f"setup (compiling, profiling, measuring) {setup:.0f} s")
+    print_table(head, rows, left=1)
+    print(f"  lowest compiled-stage schedule: {format_bytes(low[1])} measured in "
+          f"{_fmt_t(t_of[id(low[0])], format_time)} (compile's lowest: {format_bytes(min(c_peak.values()))}); "
+          f"store-all compiled stages predicted {format_bytes(sols['compiled'].store_all_peak)} vs eager "
+          f"{format_bytes(sols['eager'].store_all_peak)}")
+    if not speedups:
+        return f"{name}: no compiled-stage schedule fits under any compile peak"
+    return (f"{name}: compiled-stage optimum vs torch.compile budget at equal measured memory: mean speedup "
+            f"{statistics.mean(speedups):.2f}x (min {min(speedups):.2f}x, max {max(speedups):.2f}x, "
+            f"{len(speedups)} points); measured/predicted peak {min(ratios):.3f}..{max(ratios):.3f}")
+
+
+def _budget_backend(budget: float) -> Any:
+    """Inductor with ``activation_memory_budget`` set while this graph is partitioned (AOTAutograd partitions at
+    compile time, so each compiled graph keeps its own budget)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+class _Chained(nn.Module):
+    """Compiled stages run one after another with autograd: the compiled model without a schedule."""
+
+    def __init__(self, runners: list[Any]):
+        super().__init__()
+        self.runners = runners
+
+    def forward(self, x: Any) -> Any:
+        for r in self.runners:
+            x = r(x)
+        return x
+
+
+def _grads(model: nn.Module, module: Any, x: Any, loss_fn: Any, seed: int = 1) -> list[torch.Tensor]:
+    """The parameter gradients of one step of ``module`` (which trains ``model``'s parameters) from RNG ``seed``,
+    buffers restored afterwards."""
+    from ..runtime.measure import fresh_copy
+    from ..runtime.stages import buffer_snapshot
+
+    restore = buffer_snapshot([model])
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loss_fn(module(fresh_copy(x))).backward()
+    grads = [p.grad.detach().clone() for p in params]
+    for p in params:
+        p.grad = None
+    restore()
+    return grads
+
+
+def _err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> str:
+    """'bitwise' when every gradient is identical, else the largest relative error (norm of the difference over
+    the norm of the reference) over the parameters."""
+    if all(torch.equal(a, b) for a, b in zip(got, ref)):
+        return "bitwise"
+    return f"{max(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(got, ref)):.1e}"
+
+
+def _predicted(chain: Any, schedule: Any) -> int:
+    from ..core.simulate import simulate
+
+    return simulate(chain, schedule).peak_memory
+
+
+def _fmt_t(stat: tuple[float, float], format_time: Any) -> str:
+    return f"{format_time(stat[0])} ±{100 * stat[1]:.0f}%"
+
+
+def _interleaved(modules: list[Any], x: Any, loss_fn: Any, rounds: int) -> list[tuple[float, float]]:
+    """(median step time, spread) of each module: one step of each per round, in a shuffled order, after a
+    warm-up round; spread = (max - min) / median / 2 over the rounds."""
+    from ..runtime.measure import fresh_copy
+
+    params = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values()
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    samples: list[list[float]] = [[] for _ in modules]
+    order = list(range(len(modules)))
+    shuffle = random.Random(0).shuffle
+    with torch.random.fork_rng(devices=[]):
+        for r in range(rounds + 1):
+            shuffle(order)
+            for k in order:
+                xs = fresh_copy(x)
+                t0 = time.perf_counter()
+                loss_fn(modules[k](xs)).backward()
+                dt = time.perf_counter() - t0
+                for p in params:
+                    p.grad.zero_()
+                if r:
+                    samples[k].append(dt)
+    for p in params:
+        p.grad = None
+    out = []
+    for s in samples:
+        med = statistics.median(s)
+        out.append((med, (max(s) - min(s)) / med / 2))
+    return out

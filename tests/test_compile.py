@@ -1,0 +1,229 @@
+"""torch.compile and hchain_viz: measuring and profiling leave compiled modules compiled (issue 11)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from hchain_viz.errors import NotSequentialError  # noqa: E402
+from hchain_viz.runtime.measure import measure  # noqa: E402
+from hchain_viz.runtime.memtrack import AllocationTracker  # noqa: E402
+from hchain_viz.runtime.profile import profile  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+class CountingBackend:
+    """A Dynamo backend that runs the captured graph as it is and counts the calls of compiled graphs."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+        self.calls = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        self.compiles += 1
+
+        def run(*args: object) -> object:
+            self.calls += 1
+            return gm.forward(*args)
+
+        return run
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_measure_and_profile_run_compiled_code_and_leave_it_compiled():
+    backend = CountingBackend()
+    model = mlp()
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(8, 32)
+    compiled(x).sum().backward()
+    assert backend.compiles == 1 and backend.calls == 1
+    m = measure(compiled, x, repeats=2)
+    assert backend.calls == 1 + 1 + 2 + 1  # warm-up, timed steps, memory step: every one ran the compiled graph
+    assert m.peak_bytes > 0
+    compiled(x)
+    assert backend.calls == 6 and backend.compiles == 1
+    fresh = torch.compile(mlp(), backend=backend)  # a newly compiled one runs compiled too (no skip mark)
+    fresh(x)
+    assert backend.calls == 7
+
+
+def test_the_dispatch_mode_tracker_would_have_decompiled():
+    # Why measuring no longer uses AllocationTracker: under a TorchDispatchMode Dynamo runs the code eager.
+    backend = CountingBackend()
+    compiled = torch.compile(mlp(), backend=backend)
+    x = torch.randn(8, 32)
+    compiled(x)
+    with AllocationTracker():
+        compiled(x)
+    assert backend.calls == 1
+
+
+_OS_PEAK = """
+import sys, torch
+from torch import nn
+from hchain_viz.runtime.measure import measure
+torch.set_num_threads(1)
+
+def rss(field):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field))
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 256))
+compiled = torch.compile(model, backend=sys.argv[1])
+x = torch.randn(512, 256)
+m = measure(compiled, x, repeats=1)
+for p in model.parameters():
+    p.grad = torch.zeros_like(p)
+before = rss("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak resident set (VmHWM)
+out = compiled(x)
+out.pow(2).mean().backward()
+print(m.peak_bytes - m.input_bytes, rss("VmHWM") - before)
+"""
+
+
+def test_compiled_peak_agrees_with_the_operating_system():
+    # The known answer: the process's own peak resident set over one step, in a fresh process where every block
+    # of 64 KiB or more is its own mapping (returned to the OS when freed), so resident memory follows allocations.
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident set")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": os.getcwd()}
+    run = subprocess.run([sys.executable, "-c", _OS_PEAK, "aot_eager"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    logged, os_peak = map(int, run.stdout.split()[-2:])
+    assert logged > 10 * 2**20
+    assert abs(os_peak - logged) <= 0.01 * logged
+
+
+def test_a_compiled_module_is_not_cut_into_stages():
+    compiled = torch.compile(mlp(), backend=CountingBackend())
+    with pytest.raises(NotSequentialError, match="compile=True"):
+        profile(compiled, torch.randn(8, 32), progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- compiled stages
+def block() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3))
+
+
+def bn_dropout_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(block(), block(), block(), nn.Linear(16, 4))
+
+
+def reference_step(model: nn.Module, x: torch.Tensor, options: dict) -> tuple:
+    """The same stages, each compiled the same way, run one after another with autograd (no schedule)."""
+    from hchain_viz.runtime.stages import sequentialize
+
+    h = x
+    for _, stage in sequentialize(model):
+        h = torch.compile(stage, **options)(h)
+    return _loss_and_results(model, h)
+
+
+def _loss_and_results(model: nn.Module, out: torch.Tensor) -> tuple:
+    loss = (out ** 2).mean()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach(), grads, [b.clone() for b in model.buffers()], torch.get_rng_state()
+
+
+@pytest.mark.parametrize("strategy", ["recompute_all", "periodic"])
+def test_compiled_stages_under_a_schedule_equal_the_compiled_stages_without_one(strategy):
+    # Dropout (RNG replayed), BatchNorm (statistics updated once) and recomputed compiled stages: bitwise equal to
+    # the same compiled stages run without a schedule (aot_eager: AOTAutograd's graphs, without inductor's cost).
+    from hchain_viz.core import strategies
+    from hchain_viz.core.chain import Chain
+    from hchain_viz.runtime.wrap import wrap
+
+    x = torch.randn(8, 16)
+    model = bn_dropout_net()
+    chain = Chain.homogeneous(13)
+    schedule = strategies.recompute_all(chain) if strategy == "recompute_all" else strategies.periodic(chain, 3)
+    assert schedule.n_recomputed > 0
+    wrapped = wrap(model, schedule, compile={"backend": "aot_eager"})
+    assert "compiled stages" in repr(wrapped)
+    for step in range(2):  # the second step reuses the graphs compiled in the first
+        start = [b.clone() for b in model.buffers()]
+        torch.manual_seed(step)
+        expected = reference_step(model, x, {"backend": "aot_eager", "fullgraph": True})
+        for b, s in zip(model.buffers(), start):
+            b.copy_(s)
+        torch.manual_seed(step)
+        got = _loss_and_results(model, wrapped(x))
+        assert torch.equal(got[0], expected[0])
+        assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+        assert all(torch.equal(a, b) for a, b in zip(got[2], expected[2]))
+        assert torch.equal(got[3], expected[3])
+
+
+def test_identical_layers_share_compiled_graphs():
+    from hchain_viz.core import strategies
+    from hchain_viz.core.chain import Chain
+    from hchain_viz.runtime.wrap import wrap
+
+    backend = CountingBackend()
+    model = bn_dropout_net()
+    wrapped = wrap(model, strategies.store_all(Chain.homogeneous(13)), compile={"backend": backend})
+    wrapped(torch.randn(8, 16)).sum().backward()
+    # 13 stages of 4 kinds (Linear, BatchNorm1d, ReLU, Dropout): the first stage sees an input that needs no grad
+    assert backend.calls == 13
+    assert backend.compiles <= 6
+
+
+def test_torch_compile_of_a_wrapped_module_says_to_use_compile_true():
+    from hchain_viz.core import strategies
+    from hchain_viz.core.chain import Chain
+    from hchain_viz.errors import HChainError
+    from hchain_viz.runtime.wrap import wrap
+
+    wrapped = wrap(mlp(), strategies.recompute_all(Chain.homogeneous(3)))
+    x = torch.randn(8, 32)
+    with pytest.raises(HChainError, match="compile=True"):
+        torch.compile(wrapped, backend="eager")(x)
+    step = torch.compile(lambda x: wrapped(x).sum(), backend="eager")
+    with pytest.raises(HChainError, match="compile=True"):
+        step(x)
+    wrapped(x).sum().backward()  # still fine outside compiled code
+
+
+def test_profile_compiled_stages_predicts_the_compiled_schedule():
+    from hchain_viz.core import strategies
+    from hchain_viz.core.chain import Chain
+    from hchain_viz.core.simulate import simulate
+    from hchain_viz.runtime.wrap import wrap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)], nn.Linear(64, 8))
+    x = torch.randn(64, 64)
+    options = {"backend": "aot_eager"}
+    chain = profile(model, x, compile=options, warmup=0, repeats=1, progress=False)
+    assert "aot_eager" in chain.meta["compile"]
+    assert Chain.from_json(chain.to_json()).meta["compile"] == chain.meta["compile"]
+    assert len(chain) == 9 and all(t > 0 for t in chain.fwd_time)
+    for schedule in (strategies.store_all(chain), strategies.periodic(chain, 3)):
+        predicted = simulate(chain, schedule).peak_memory
+        measured = measure(wrap(model, schedule, compile=options), x, repeats=1).peak_bytes
+        assert 0.9 <= measured / predicted <= 1.0, (schedule, measured, predicted)
