@@ -415,3 +415,57 @@ def test_profile_solve_wrap_train_step_hf_gpt2():
     model = _gpt2()
     inp = {"input_ids": torch.randint(0, 64, (2, 16)), "attention_mask": torch.ones(2, 16, dtype=torch.long)}
     _train_step_matches(model, inp, lambda out: out.logits.pow(2).mean())
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face families
+# Default configs (the path a new user takes: use_cache on, sdpa attention), shrunk to test size.
+HF_LAYER = {"gpt2": "h.{}", "llama": "layers.{}", "bert": "layer.{}", "vit": "layers.{}"}
+
+
+def _hf(family: str, layers: int = 2, **kwargs):
+    pytest.importorskip("transformers")
+    from hchain_viz.runtime.models import hf_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if family == "vit":  # 16-pixel images in 4-pixel patches: 16 tokens + CLS
+            kwargs.setdefault("patch_size", 4)
+        return hf_model(family, layers=layers, hidden=32, heads=4, vocab=64, seq=16, **kwargs)
+
+
+@pytest.mark.parametrize("family", list(HF_LAYER))
+def test_hf_default_config_families_split_per_layer_and_train_like_eager(family):
+    model, inp, loss_fn = _hf(family)
+    config_before = model.config.to_dict()
+    inp_before = dict(inp)
+    chain = _train_step_matches(model, inp, loss_fn)
+    layers = [n for n in chain.names if n.split(".")[0] == HF_LAYER[family].split(".")[0]]
+    assert layers == [HF_LAYER[family].format(i) for i in range(2)], chain.names
+    # The KV cache is switched off in the call, as HF's gradient checkpointing does: the config is not touched.
+    # (BERT itself records problem_type on its first call with labels.)
+    config_before.pop("problem_type", None)
+    assert {k: v for k, v in model.config.to_dict().items() if k != "problem_type"} == config_before
+    assert inp == inp_before and "use_cache" not in inp
+
+
+def test_hf_labels_make_output_loss_the_default_loss():
+    from hchain_viz.runtime.measure import default_loss
+
+    model, inp, _ = _hf("gpt2", layers=1)
+    out = model(**inp, use_cache=False)
+    assert default_loss(out) is out.loss
+    del inp["labels"]
+    out = model(**inp, use_cache=False)
+    assert out.loss is None and torch.equal(default_loss(out), out.logits.float().pow(2).mean())
+    import hchain_viz as hcv
+
+    model, inp, _ = _hf("bert", layers=1)
+    chain = hcv.profile(model, inp, warmup=0, repeats=1, progress=False)
+    assert "output.loss" in chain.meta["loss"] and chain.x[-1] > 0
+
+
+def test_hf_unknown_family_is_an_hchain_error():
+    from hchain_viz.runtime.models import hf_model
+
+    with pytest.raises(HChainError, match="gpt2"):
+        hf_model("t6")

@@ -132,6 +132,7 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
     if not isinstance(model, nn.Module):
         raise NotSequentialError(f"extract_stages needs an nn.Module; got {type(model).__name__}")
     args, kwargs = _as_call(sample_input)
+    kwargs = _without_cache(model, kwargs)
     single = not isinstance(sample_input, (dict, tuple, list))  # stage 0 gets the tensor itself, not a 1-tuple
     failures: list[str] = []
     for method, tracer in (("torch.fx", _trace_fx), ("torch.export", _trace_export)):
@@ -194,6 +195,20 @@ def _as_call(sample_input: Any) -> tuple[tuple, dict]:
     if isinstance(sample_input, (tuple, list)):
         return tuple(sample_input), {}
     return (sample_input,), {}
+
+
+def _without_cache(model: nn.Module, kwargs: dict) -> dict:
+    """The call's keyword arguments with ``use_cache=False`` added for models that keep a KV cache (Hugging Face).
+
+    Training never reads the cache, and a cache object in the output cannot be traced. This is what HF's own
+    gradient checkpointing does: it passes ``use_cache=False`` in the call and leaves ``model.config`` unchanged;
+    so do we (the stages are traced with it; the user's config and input dict are not modified).
+    """
+    config = getattr(model, "config", None)
+    takes = "use_cache" in inspect.signature(model.forward).parameters or hasattr(config, "use_cache")
+    if not takes or kwargs.get("use_cache") is False:
+        return kwargs
+    return {**kwargs, "use_cache": False}
 
 
 def _first_line(exc: BaseException) -> str:
@@ -704,14 +719,18 @@ class _Plan:
         except AttributeError:
             return None
 
-    def _expanded(self, module: nn.Module, depth: int, force: int) -> bool:
+    def _expanded(self, module: nn.Module, depth: int, force: int, in_blocks: bool = False) -> bool:
         """Split this module's children into separate units? Yes for the model itself, for containers of blocks
-        (a ModuleList of layers, resnet's ``layer2``), for wrappers holding such a container (GPT2Model holding
-        ``h``), and, when these units give a single stage, for every module above depth ``force``. A container of
-        single layers (``nn.Sequential(conv, bn)``) is a block itself."""
+        (a ModuleList of layers, resnet's ``layer2``), for wrappers holding such a container at any depth
+        (GPT2Model holding ``h``; BertForSequenceClassification holding ``bert.encoder.layer``), and, when these
+        units give a single stage, for every module above depth ``force``. A block of such a container
+        (``in_blocks``: a transformer layer, even one holding a list of its own sub-layers) stays whole, and a
+        container of single layers (``nn.Sequential(conv, bn)``) is a block itself."""
         if depth == 0 or depth < force or (isinstance(module, _CONTAINERS) and _holds_blocks(module)):
             return True
-        return any(isinstance(c, _CONTAINERS) and _holds_blocks(c) for c in module.children())
+        if in_blocks:
+            return False
+        return any(isinstance(c, _CONTAINERS) and _holds_blocks(c) for c in module.modules() if c is not module)
 
     def unit(self, path: str, force: int) -> str:
         """The module a node belongs to at module granularity: the first non-expanded module on its path.
@@ -719,16 +738,18 @@ class _Plan:
         module's path and are recorded as glue."""
         module, unit = self.model, []
         parts = path.split(".") if path else []
+        in_blocks = False
         for depth, part in enumerate(parts):
-            if not self._expanded(module, depth, force):
+            if not self._expanded(module, depth, force, in_blocks):
                 break
             child = getattr(module, part, None)
             if not isinstance(child, nn.Module):
                 break
+            in_blocks = isinstance(module, _CONTAINERS) and _holds_blocks(module)
             module = child
             unit.append(part)
         else:
-            if self._expanded(module, len(parts), force):
+            if self._expanded(module, len(parts), force, in_blocks):
                 self._glue.add(".".join(unit))
         return ".".join(unit)
 

@@ -102,7 +102,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         "repeats": repeats,
         "timer": "cuda events" if dev.type == "cuda" else "perf_counter",
         "memory": "cuda memory stats" if dev.type == "cuda" else "allocation tracker",
-        "loss": "default (mean of squares)" if loss_fn is default_loss else repr(loss_fn),
+        "loss": "default (output.loss if present, else mean of squares)" if loss_fn is default_loss else repr(loss_fn),
     }
     return Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
                  names=[n for n, _ in stages], meta=meta)
