@@ -19,10 +19,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from functools import partial
 from typing import NamedTuple
 
 from hchain_viz.core.chain import Chain
 from hchain_viz.core.schedule import Op, Schedule
+from hchain_viz.errors import InvalidSchedule
 
 INF = math.inf
 
@@ -357,3 +359,136 @@ def twin_schedule(twin: Twin, L: int, s: int) -> Schedule:
 
     d(s - twin.sx0, 0)
     return Schedule(tuple(ops), {"strategy": "twin"})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The simulator as it was before transfers (issue 15), frozen
+# ----------------------------------------------------------------------------------------------------------------
+# A verbatim copy of core/simulate.py's loop before the event-based rewrite: the new simulator must give exactly
+# these numbers (op times, memory before / peak / after, lifetimes) on every schedule without Off/Pre ops.
+# Returns the raw per-op tuples (index, op, start, end, before, peak, after, recompute) and the lifetime spans.
+
+
+def frozen_simulate(chain: Chain, schedule: Schedule) -> list[tuple]:
+    """Replay ``schedule`` on ``chain`` under the memory model of DESIGN §3.
+
+    Raises :class:`InvalidSchedule` naming the first op that needs something not resident, creates something
+    already resident, is out of range, or when the schedule ends before every backward has run.
+    """
+    if not isinstance(chain, Chain):
+        raise InvalidSchedule(f"simulate() needs a Chain as first argument, got {type(chain).__name__}")
+    if not isinstance(schedule, Schedule):
+        raise InvalidSchedule(f"simulate() needs a Schedule as second argument, got {type(schedule).__name__}")
+    L = chain.length
+    x, xbar = chain.x, chain.xbar
+    res: dict[tuple[str, int], int] = {("x", 0): x[0]}
+    opened: dict[tuple[str, int], int] = {("x", 0): 0}  # key -> index into `spans` of its open lifetime
+    spans: list[list] = [["x", 0, x[0], -1, None]]
+    mem = x[0]
+    t = 0.0
+    loss_done = False
+    kept: set[int] = set()  # stages whose input x_k a Fck kept: a checkpoint until B(k)
+    forwarded: set[int] = set()
+    backward_done: set[int] = set()
+    events = []
+
+    for k, op in enumerate(schedule.ops):
+        kind, i = op
+        fail = partial(_frozen_invalid, k, op)
+        if kind == "Loss":
+            if i != L:
+                raise fail(f"the loss is stage {L} for this {L}-stage chain")
+            if loss_done:
+                raise fail("the loss runs once per step")
+            if ("out", L) not in res:
+                raise fail(f"the output x_{L} has not been computed (run every forward up to stage {L - 1} first)")
+            created, freed, key_sizes = x[L], 0, [(("delta", L), x[L])]
+            tmp, dt = 0, 0.0
+            loss_done = True
+        elif i >= L:
+            raise fail(f"stage {i} does not exist; the chain has stages 0..{L - 1}")
+        elif kind == "B":
+            if not loss_done:
+                raise fail("a backward needs the loss to have run first")
+            if ("delta", i + 1) not in res:
+                raise fail(f"B{i} needs the gradient δ_{i + 1}, which is not resident (run B{i + 1} first)"
+                           if i + 1 < L else "B needs δ_L")
+            if ("xbar", i) not in res:
+                raise fail(f"B{i} needs x̄_{i + 1} from a Fall{i}, which is not resident")
+            if not _frozen_input_available(res, i):
+                raise fail(f"B{i} needs its input x_{i}, which is not resident")
+            created = x[i]
+            freed_keys = [("delta", i + 1), ("xbar", i)] + ([("x", i)] if i > 0 and ("x", i) in res else [])
+            freed = sum(res[key] for key in freed_keys)
+            for key in freed_keys:
+                del res[key]
+                spans[opened.pop(key)][4] = k
+            key_sizes = [(("delta", i), x[i])]
+            tmp, dt = chain.bwd_tmp[i], chain.bwd_time[i]
+            backward_done.add(i)
+            kept.discard(i)
+        else:  # forward ops
+            if i in backward_done:
+                raise fail(f"the backward of stage {i} has already run; its forward is no longer needed")
+            if not _frozen_input_available(res, i):
+                raise fail(f"its input x_{i} is not resident (keep a checkpoint with Fck or recompute it)")
+            if ("xbar", i) in res or (i + 1 < L and ("x", i + 1) in res):
+                raise fail(f"x_{i + 1} is already resident; recomputing it would hold two copies")
+            freed = 0
+            if kind == "Fall":
+                if i == L - 1 and ("out", L) not in res:
+                    key_sizes = [(("out", L), x[L]), (("xbar", i), xbar[i] - x[L])]
+                else:
+                    key_sizes = [(("xbar", i), xbar[i])]
+            else:
+                if i + 1 in backward_done:
+                    raise fail(f"its output x_{i + 1} is no longer needed (B{i + 1} has run); use Fall{i} to "
+                               f"prepare B{i}")
+                if i + 1 == L:
+                    if ("out", L) in res:
+                        raise fail(f"the output x_{L} is already held by the caller")
+                    key_sizes = [(("out", L), x[L])]
+                else:
+                    key_sizes = [(("x", i + 1), x[i + 1])]
+                if kind == "Fn":
+                    if i == 0:
+                        raise fail("x_0 is the caller's input and cannot be dropped; use Fck0")
+                    if ("x", i) not in res:
+                        raise fail(f"Fn drops its input, but x_{i} is part of x̄_{i} here; use Fck{i}")
+                    if i in kept:
+                        raise fail(f"x_{i} is a checkpoint kept by an earlier Fck{i}; checkpoints stay until B{i} "
+                                   f"(use Fck{i})")
+                    freed = res.pop(("x", i))
+                    spans[opened.pop(("x", i))][4] = k
+            created = sum(s for _, s in key_sizes)
+            tmp, dt = chain.fwd_tmp[i], chain.fwd_time[i]
+        recompute = kind in ("Fck", "Fn", "Fall") and i in forwarded
+        if kind in ("Fck", "Fn", "Fall"):
+            forwarded.add(i)
+        if kind == "Fck":
+            kept.add(i)
+        for key, size in key_sizes:
+            res[key] = size
+            opened[key] = len(spans)
+            spans.append([key[0], key[1], size, k, None])
+        before = mem
+        peak = before + created + tmp
+        mem = before + created - freed
+        events.append((k, op, t, t + dt, before, peak, mem, recompute))
+        t += dt
+
+    missing = [i for i in range(L - 1, -1, -1) if i not in backward_done]
+    if missing or not loss_done:
+        what = "the loss" if not loss_done else f"B{missing[0]}"
+        raise InvalidSchedule(f"the schedule ends before {what}: a complete step runs the loss and B{L - 1}..B0",
+                              len(schedule.ops))
+    return events, [tuple(span) for span in spans]
+
+
+def _frozen_invalid(k: int, op: Op, why: str) -> InvalidSchedule:
+    return InvalidSchedule(f"op #{k} {op} is invalid: {why}", k)
+
+
+def _frozen_input_available(res: dict, i: int) -> bool:
+    """x_i is resident as a plain activation, or inside x̄_i (what Fall(i-1) left), or it is the caller's x_0."""
+    return ("x", i) in res or (i > 0 and ("xbar", i - 1) in res)

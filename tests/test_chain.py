@@ -221,6 +221,21 @@ def test_activation_total_in_header():
     assert math.isclose(c.store_all_time, sum(c.fwd_time) + sum(c.bwd_time))
 
 
+def test_bandwidth_presets_validation_and_json():
+    from hchain_viz.core.chain import BANDWIDTH_PRESETS
+
+    c = Chain.random(3)
+    assert c.bandwidth is None and "bandwidth" not in c.to_dict()  # old chain files load unchanged
+    for name, label in (("pcie4", "PCIe 4.0 x16"), ("pcie5", "pcie 5.0 X16"), ("nvlink-c2c", "NVLink-C2C")):
+        assert c.with_bandwidth(name).bandwidth == c.with_bandwidth(label).bandwidth == BANDWIDTH_PRESETS[name]
+    d = c.with_bandwidth(3e9)
+    assert d.bandwidth == 3e9 and Chain.from_json(d.to_json()).bandwidth == 3e9
+    assert d.with_bandwidth(None).bandwidth is None
+    for bad in (0, -1.0, float("inf"), float("nan"), "usb", True, [1]):
+        with pytest.raises(InvalidChain, match="bandwidth"):
+            c.with_bandwidth(bad)
+
+
 def test_structure_fields_round_trip_and_default():
     c = Chain(fwd_time=[1, 1, 1], bwd_time=[2, 2, 2], x=[4, 6, 6, 4], xbar=[8, 8, 4],
               groups=[("h.0", 0, 1)], tags=["", "attn_core", ""], shared=[(1, 2, 3)])

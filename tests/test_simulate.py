@@ -140,3 +140,118 @@ def test_wrong_argument_types():
         simulate("chain", Schedule.parse("Fall0 Loss B0"))  # type: ignore[arg-type]
     with pytest.raises(InvalidSchedule, match="needs a Schedule"):
         simulate(CH, "Fall0 Fall1 Loss B1 B0")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------- transfers (§9)
+def test_offload_by_hand():
+    """Off0 after Fall1 (which reads x_1 inside x̄_1) starts when Fall1 ends; Pre0 starts at that copy's end. B1
+    needs x_1, which lives inside x̄_1, so it waits for Pre0. At 4 B/s x̄_1 (8 bytes) takes 2 s each way."""
+    t = simulate(CH.with_bandwidth(4), Schedule.parse("Fall0 Fall1 Off0 Loss Pre0 B1 B0"))
+    assert rows(t) == [
+        ("Fall0", 0.0, 1.0, 1, 41, 9, False),
+        ("Fall1", 1.0, 3.0, 9, 89, 25, False),
+        ("Off0", 3.0, 5.0, 29, 29, 21, False),  # frees x̄_1's 8 bytes when the copy completes
+        ("Loss", 3.0, 3.0, 25, 29, 29, False),
+        ("Pre0", 5.0, 7.0, 21, 29, 29, False),  # allocates them again when the copy back starts
+        ("B1", 7.0, 11.0, 29, 287, 15, False),  # waited 4 s for Pre0
+        ("B0", 11.0, 14.0, 15, 144, 6, False),
+    ]
+    assert t.makespan == 14.0 and t.idle == ((3.0, 7.0, 5, 0),) and t.idle_time == 4.0 and t.peak_memory == 287
+    assert [tuple(h) for h in t.host_lifetimes] == [("xbar", 0, 8, 2, 4)]
+    hc = t.host_curve()
+    assert hc[1].max() == 8 and list(hc[0][hc[1] == 8]) == [5.0, 7.0]  # on the host from t=5 to t=7
+    assert "2 transfers" in repr(t)
+    tt, mm = t.memory_curve()
+    assert mm.max() == t.peak_memory and tt[-1] == t.makespan
+
+
+def test_slow_link_makes_compute_wait():
+    """At 1 B/s the copies take 8 s each: B1 waits from t=3 until Pre0 completes at t=19."""
+    t = simulate(CH.with_bandwidth(1), Schedule.parse("Fall0 Fall1 Off0 Loss Pre0 B1 B0"))
+    assert [(e.start, e.end) for e in t.transfer_events()] == [(3.0, 11.0), (11.0, 19.0)]
+    assert t.makespan == 26.0 and t.idle == ((3.0, 19.0, 5, 0),)
+
+
+def test_offload_lowers_the_peak_and_hides_behind_compute():
+    """x̄_1 goes to the host during the forward and comes back after B3: the peak moves from B3 (43) to B2 (34),
+    and a fast enough link costs no time."""
+    ch = Chain(fwd_time=[1.0] * 4, bwd_time=[1.0] * 4, x=[1] * 5, xbar=[10] * 4, bandwidth=100.0)
+    plain = simulate(ch, Schedule.parse("Fall0 Fall1 Fall2 Fall3 Loss B3 B2 B1 B0"))
+    off = simulate(ch, Schedule.parse("Fall0 Fall1 Off0 Fall2 Fall3 Loss B3 Pre0 B2 B1 B0"))
+    assert plain.peak_memory == 1 + 40 + 1 + 1  # x_0, four x̄, δ_4, and δ_3 during B3
+    assert off.peak_memory == 34  # now at B2, after x̄_1 is back: x_0, x̄_1..x̄_3 less the output, x_4, δ_3, δ_2
+    assert off.makespan == plain.makespan == 8.0 and off.idle == ()
+    assert [e.is_transfer for e in off.events].count(True) == 2 == off.n_transfers
+    slow = simulate(ch.with_bandwidth(2.0), off.schedule)  # 5 s per copy: B1 waits for Pre0
+    assert slow.makespan > 8.0 and slow.idle and slow.idle[0].stage == 0
+
+
+def test_checkpoint_offload_and_prefetch():
+    """Off moves a checkpoint kept by Fck when no x̄ of that stage is resident."""
+    ch = Chain(fwd_time=[1.0, 1.0], bwd_time=[1.0, 1.0], x=[1, 4, 1], xbar=[5, 2], bandwidth=8.0)
+    t = simulate(ch, Schedule.parse("Fck0 Fck1 Off1 Loss Pre1 Fall1 B1 Fall0 B0"))
+    assert [tuple(h) for h in t.host_lifetimes] == [("x", 1, 4, 2, 4)]
+    assert [(e.start, e.end) for e in t.transfer_events()] == [(2.0, 2.5), (2.5, 3.0)]
+    assert t.events[5].start == 3.0 and t.idle == ((2.0, 3.0, 5, 1),)  # Fall1 waited for x_1
+
+
+@pytest.mark.parametrize(("text", "index", "words"), [
+    ("Fall0 Off0 Fall1 Loss B1 B0", 2, "on the host after Off0"),  # Fall1 reads x_1 inside x̄_1
+    ("Fall0 Fall1 Off0 Loss B1 B0", 4, "put Pre0"),  # B1 reads x_1 inside x̄_1
+    ("Fall0 Fall1 Off0 Off0 Loss", 3, "already on the host"),
+    ("Fall0 Fall1 Loss Pre0 B1 B0", 3, "needs an earlier Off0"),
+    ("Fck0 Fn1 Off1 Loss", 2, "nothing of stage 1 to offload"),
+    ("Fall0 Fall1 Off5 Loss", 2, "does not exist"),
+])
+def test_invalid_transfers(text, index, words):
+    with pytest.raises(InvalidSchedule) as err:
+        simulate(CH.with_bandwidth(4), Schedule.parse(text))
+    assert err.value.index == index and words in str(err.value)
+
+
+def test_transfers_need_a_bandwidth():
+    with pytest.raises(InvalidSchedule, match="with_bandwidth"):
+        simulate(CH, Schedule.parse("Fall0 Fall1 Off0 Loss Pre0 B1 B0"))
+
+
+def test_schedule_text_and_json_round_trip_transfers():
+    s = Schedule.parse("Fall0 Fall1 Off0 Loss Pre0 B1 B0", strategy="x")
+    assert str(s) == "Fall0 Fall1 Off0 Loss2 Pre0 B1 B0".replace("Loss2", "Loss") and s.n_transfers == 2
+    assert Schedule.from_json(s.to_json()) == s and s.ops[2].is_transfer and not s.ops[1].is_transfer
+
+
+def _schedules_of(chain):
+    """Optimal schedules at a few budgets and every baseline: the remat-only schedules the project produces."""
+    from hchain_viz.core import strategies
+    from hchain_viz.core.solver import solve
+
+    sol = solve(chain, slots=60)
+    out = [sol.schedule(b) for b in np.linspace(sol.min_budget, sol.store_all_peak, 4).astype(int)]
+    for fn in strategies.STRATEGIES.values():
+        try:
+            out.append(fn(chain))
+        except Exception:  # a baseline with no schedule at its default budget on this chain
+            pass
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_remat_only_schedules_simulate_exactly_as_before_transfers(seed):
+    """The event-based simulator gives the frozen pre-transfer simulator's numbers bit for bit (tests/oracles.py),
+    on the random chains of the solver tests (Chain.random with zeros, and small integer chains)."""
+    import oracles
+    from test_solver import random_int_chain
+
+    chains = [Chain.random(3 + seed, seed=seed, zero_fraction=0.2 if seed % 2 else 0.0, scale=2**12),
+              random_int_chain(seed)]
+    for chain in chains:
+        for bw in (None, 1e9):
+            chain = chain.with_bandwidth(bw)
+            for schedule in _schedules_of(chain):
+                trace = simulate(chain, schedule)
+                events, spans = oracles.frozen_simulate(chain, schedule)
+                got = [(e.index, e.op, e.start, e.end, e.mem_before, e.mem_peak, e.mem_after, e.recompute)
+                       for e in trace.events]
+                assert got == events
+                assert [tuple(lt) for lt in trace.lifetimes] == spans
+                assert trace.makespan == (events[-1][3] if events else 0.0) and trace.idle == ()

@@ -3,6 +3,10 @@
 A :class:`Schedule` is a sequence of :class:`Op` — ``Fck``, ``Fn``, ``Fall``, ``Loss``, ``B`` with a stage index —
 plus free-form metadata (strategy name, budget, predicted makespan). One simulator scores every schedule, one
 executor runs it, one set of figures draws it.
+
+Two more kinds run on the transfer channel instead of the compute stream (DESIGN §9): ``Off(i)`` starts copying a
+held value of stage i (x̄_{i+1} left by ``Fall(i)``, else the checkpoint x_i kept by ``Fck(i)``) to host memory, and
+``Pre(i)`` starts copying it back. A schedule without them is a remat-only schedule, exactly as before.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ from ..errors import InvalidSchedule
 from .chain import read_json, write_json
 
 SCHEDULE_FORMAT = "hchain-schedule/1"
-OP_KINDS = ("Fck", "Fn", "Fall", "Loss", "B")
+OP_KINDS = ("Fck", "Fn", "Fall", "Loss", "B", "Off", "Pre")
 FORWARD_KINDS = ("Fck", "Fn", "Fall")
+TRANSFER_KINDS = ("Off", "Pre")
 
 
 class Op(NamedTuple):
-    """One operation: ``kind`` in ``Fck, Fn, Fall, Loss, B`` and the ``stage`` it acts on (``Loss`` is stage L)."""
+    """One operation: ``kind`` in ``Fck, Fn, Fall, Loss, B, Off, Pre`` and the ``stage`` it acts on (``Loss`` is
+    stage L)."""
 
     kind: str
     stage: int
@@ -32,6 +38,11 @@ class Op(NamedTuple):
     @property
     def is_forward(self) -> bool:
         return self.kind in FORWARD_KINDS
+
+    @property
+    def is_transfer(self) -> bool:
+        """An ``Off`` or ``Pre``: runs on the transfer channel, not on the compute stream."""
+        return self.kind in TRANSFER_KINDS
 
 
 @dataclass(frozen=True)
@@ -63,13 +74,14 @@ class Schedule:
 
     @classmethod
     def parse(cls, text: str, **meta: Any) -> Schedule:
-        """Read the ``__str__`` form back: ``"Fck0 Fn1 Fall2 Loss B2"``; ``Loss`` may carry its stage (``Loss3``)."""
+        """Read the ``__str__`` form back: ``"Fck0 Fn1 Fall2 Off2 Loss Pre2 B2"``; ``Loss`` may carry its stage
+        (``Loss3``)."""
         ops = []
         for tok in text.split():
-            kind = next((k for k in ("Fall", "Fck", "Fn", "Loss", "B") if tok.startswith(k)), None)
+            kind = next((k for k in ("Fall", "Fck", "Fn", "Loss", "B", "Off", "Pre") if tok.startswith(k)), None)
             rest = tok[len(kind):] if kind else ""
             if kind is None or (rest and not (rest.isascii() and rest.isdigit())) or (not rest and kind != "Loss"):
-                raise InvalidSchedule(f"cannot read op {tok!r}; write ops like Fck0, Fn1, Fall2, Loss, B2")
+                raise InvalidSchedule(f"cannot read op {tok!r}; write ops like Fck0, Fn1, Fall2, Loss, B2, Off2, Pre2")
             ops.append([kind, int(rest) if rest else None])
         forwards = [s for k, s in ops if k in FORWARD_KINDS]
         loss_at = max(forwards) + 1 if forwards else 0
@@ -101,6 +113,11 @@ class Schedule:
                 n += op.stage in seen
                 seen.add(op.stage)
         return n
+
+    @property
+    def n_transfers(self) -> int:
+        """Number of ``Off`` and ``Pre`` ops (0 for a remat-only schedule)."""
+        return sum(op.is_transfer for op in self.ops)
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:

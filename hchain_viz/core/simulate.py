@@ -14,6 +14,17 @@ Resident items (``Item.kind``):
   ``xbar[L-1] - x[L]`` bytes beside it; a recomputed ``Fall(L-1)`` holds a full second copy.
 - ``"delta"``: a gradient δ_i (``x[i]`` bytes); δ_L is created by the loss.
 
+Transfers (DESIGN §9): ``Off(i)`` / ``Pre(i)`` run on a transfer channel beside the compute stream, at
+``chain.bandwidth`` bytes/s, one channel each way (full duplex). Compute ops run in schedule order on the compute
+stream; transfers run in schedule order on their channel and start no earlier than the end of the compute op listed
+before them (the point where the executor records the event the copy stream waits for). ``Off(i)`` moves x̄_{i+1}
+(left by ``Fall(i)``), else the checkpoint x_i kept by ``Fck(i)``; its device bytes are freed when the copy
+completes. ``Pre(i)`` brings it back; its device bytes are allocated when the copy starts, and a compute op that
+needs the value waits for the copy to finish (an idle wait, recorded in ``Trace.idle``). Between ``Off(i)`` and
+``Pre(i)`` no compute op may use the value. Memory is replayed as a time-ordered list of changes (ties in schedule
+order; a completed offload frees before anything else happens at that instant), so a schedule without transfers
+gives exactly the sequential numbers of DESIGN §3.
+
 Checkpoints persist: once ``Fck(k)`` has kept x_k, only ``B(k)`` frees it (a later ``Fn(k)`` may not drop it). This
 is the class of schedules the optimal DP searches (Rotor's model), which keeps "optimal" exact in this model.
 Dropping a kept checkpoint early and recomputing it later from an earlier one is occasionally faster on tiny
@@ -68,6 +79,8 @@ class Event:
     mem_peak: int
     mem_after: int
     recompute: bool  # a forward of a stage that was already run forward earlier in the step
+    # For a transfer (Off/Pre), start/end are the copy on its channel; memory is just before / after its own change
+    # of device memory (the free at an Off's completion, the allocation at a Pre's start).
     _lifetimes: tuple[Lifetime, ...] = field(repr=False, default=())
 
     @property
@@ -76,6 +89,21 @@ class Event:
         k = self.index
         return tuple(Item(lt.kind, lt.stage, lt.size) for lt in self._lifetimes
                      if lt.created <= k and (lt.freed is None or lt.freed > k))
+
+    @property
+    def is_transfer(self) -> bool:
+        """An ``Off`` or ``Pre`` (transfer channel), not a compute op."""
+        return self.op.is_transfer
+
+
+class Idle(NamedTuple):
+    """The compute stream waiting from ``start`` to ``end`` (seconds) before op ``index`` for a prefetch of
+    ``stage`` to complete."""
+
+    start: float
+    end: float
+    index: int
+    stage: int
 
 
 @dataclass(frozen=True)
@@ -87,14 +115,56 @@ class Trace:
     events: tuple[Event, ...]
     initial_memory: int  # x_0, resident before the first op
     lifetimes: tuple[Lifetime, ...]  # every item that was ever resident, in order of creation
+    # Transfers only (empty for a remat-only schedule): compute idle waits; host-resident values (``created``: the
+    # Off's op index, ``freed``: the Pre's); the device memory curve as (time, bytes) after each change.
+    idle: tuple[Idle, ...] = ()
+    host_lifetimes: tuple[Lifetime, ...] = ()
+    curve: tuple[tuple[float, int], ...] = ()
 
     @property
     def makespan(self) -> float:
-        return self.events[-1].end if self.events else 0.0
+        return max(e.end for e in self.events) if self.events else 0.0
+
+    @property
+    def idle_time(self) -> float:
+        """Seconds the compute stream waited for prefetches."""
+        return float(sum(w.end - w.start for w in self.idle))
+
+    @property
+    def n_transfers(self) -> int:
+        return sum(e.is_transfer for e in self.events)
+
+    def transfer_events(self) -> tuple[Event, ...]:
+        """The Off/Pre events (copy intervals on their channels)."""
+        return tuple(e for e in self.events if e.is_transfer)
+
+    def host_curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """(time, bytes) step points of host-resident bytes: a value counts from its Off's completion to its Pre's
+        completion."""
+        ends = {e.index: e.end for e in self.events}
+        changes = sorted([(ends[h.created], h.size) for h in self.host_lifetimes]
+                         + [(ends[h.freed], -h.size) for h in self.host_lifetimes])
+        t, m, cur = [0.0], [0], 0
+        for when, d in changes:
+            cur += d
+            t += [when, when]
+            m += [m[-1], cur]
+        t.append(self.makespan)
+        m.append(cur)
+        return np.asarray(t), np.asarray(m)
 
     @property
     def peak_memory(self) -> int:
         return max([self.initial_memory] + [e.mem_peak for e in self.events])
+
+    @property
+    def device_peak(self) -> int | None:
+        """The whole step's peak device memory per rank: the chain's fixed part (parameters, gradients as their
+        backwards create them, optimizer state, buffers) plus the activations, and the optimizer step's transient
+        (DESIGN §7; :func:`hchain_viz.core.device.device_peak`). None when the chain has no fixed part."""
+        from .device import device_peak
+
+        return device_peak(self)
 
     @property
     def peak_index(self) -> int:
@@ -118,6 +188,11 @@ class Trace:
     def memory_curve(self) -> tuple[np.ndarray, np.ndarray]:
         """(time, bytes) points of a step curve through every op's before / peak / after memory."""
         t, m = [0.0], [self.initial_memory]
+        if self.curve:  # with transfers: the time-ordered changes, as steps
+            for when, mem in self.curve:
+                t += [when, when]
+                m += [m[-1], mem]
+            return np.asarray(t), np.asarray(m)
         for e in self.events:
             t += [e.start, e.start, e.end]
             m += [e.mem_before, e.mem_peak, e.mem_after]
@@ -127,14 +202,16 @@ class Trace:
         name = self.schedule.meta.get("strategy", "schedule")
         return (f"Trace({name}: {len(self.events)} ops, makespan {format_time(self.makespan)} "
                 f"({100 * self.overhead:+.1f}% over store-all), peak {format_bytes(self.peak_memory)}, "
-                f"{self.n_recomputed} recomputed forwards)")
+                f"{self.n_recomputed} recomputed forwards"
+                + (f", {self.n_transfers} transfers, idle {format_time(self.idle_time)}" if self.n_transfers else "")
+                + ")")
 
 
 def simulate(chain: Chain, schedule: Schedule) -> Trace:
     """Replay ``schedule`` on ``chain`` under the memory model of DESIGN §3.
 
-    Raises :class:`InvalidSchedule` naming the first op that needs something not resident, creates something
-    already resident, is out of range, or when the schedule ends before every backward has run.
+    Raises :class:`InvalidSchedule` naming the first op that needs something not resident (or on the host),
+    creates something already resident, is out of range, or when the schedule ends before every backward has run.
     """
     if not isinstance(chain, Chain):
         raise InvalidSchedule(f"simulate() needs a Chain as first argument, got {type(chain).__name__}")
@@ -152,10 +229,17 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
     forwarded: set[int] = set()
     backward_done: set[int] = set()
     events = []
+    link = _Link(chain, res, spans, opened, kept)  # the transfer channels (DESIGN §9); idle unless Off/Pre appear
 
     for k, op in enumerate(schedule.ops):
         kind, i = op
         fail = partial(_invalid, k, op)
+        if kind in ("Off", "Pre"):
+            if i >= L:
+                raise fail(f"stage {i} does not exist; the chain has stages 0..{L - 1}")
+            events.append(link.transfer(k, op, fail))
+            continue
+        link.check_not_on_host(i, kind, fail)
         if kind == "Loss":
             if i != L:
                 raise fail(f"the loss is stage {L} for this {L}-stage chain")
@@ -232,10 +316,14 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
             res[key] = size
             opened[key] = len(spans)
             spans.append([key[0], key[1], size, k, None])
+        for key, _ in key_sizes:
+            link.ready.pop(key, None)
+        t = link.start_compute(k, op, t)  # later than t only when it waits for a prefetch
         before = mem
         peak = before + created + tmp
         mem = before + created - freed
         events.append((k, op, t, t + dt, before, peak, mem, recompute))
+        link.compute_done(t, t + dt, created + tmp, tmp + freed)
         t += dt
 
     missing = [i for i in range(L - 1, -1, -1) if i not in backward_done]
@@ -243,8 +331,136 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
         what = "the loss" if not loss_done else f"B{missing[0]}"
         raise InvalidSchedule(f"the schedule ends before {what}: a complete step runs the loss and B{L - 1}..B0",
                               len(schedule.ops))
+    if link.host:
+        i = next(iter(link.host))
+        raise InvalidSchedule(f"the schedule ends with a value of stage {i} still on the host; every Off{i} needs a "
+                              f"Pre{i} before B{i}", len(schedule.ops))
     lifetimes = tuple(Lifetime(*span) for span in spans)
-    return Trace(chain, schedule, tuple(Event(*e, lifetimes) for e in events), x[0], lifetimes)
+    if not link.used:  # remat only: the sequential numbers of DESIGN §3, exactly
+        return Trace(chain, schedule, tuple(Event(*e, lifetimes) for e in events), x[0], lifetimes)
+    events, curve = link.replay_memory(events, x[0])
+    return Trace(chain, schedule, tuple(Event(*e, lifetimes) for e in events), x[0], lifetimes,
+                 tuple(link.idle), tuple(Lifetime(*h) for h in link.host_spans), curve)
+
+
+class _Link:
+    """The transfer channels and their effect on compute: which values are on the host, when prefetched values are
+    ready, and the device-memory changes in time for the event-based replay (DESIGN §9).
+
+    Shares the simulator's ``res`` / ``spans`` / ``opened`` / ``kept`` (it moves values out of and back into the
+    resident set). Memory changes are ``(time, order, bytes)``; at equal times ``order`` keeps schedule order:
+    compute op c allocates at ``2c`` and frees at ``2c + 1``, a prefetch listed after compute op c allocates at
+    ``2c + 1.5``, and a completed offload frees first (``-1``).
+    """
+
+    def __init__(self, chain: Chain, res: dict, spans: list, opened: dict, kept: set) -> None:
+        self.chain, self.res, self.spans, self.opened, self.kept = chain, res, spans, opened, kept
+        self.host: dict[int, tuple] = {}  # stage -> (key, size, copy end, Off's op index), while on the host
+        self.ready: dict[tuple[str, int], float] = {}  # prefetched key -> time its copy completes
+        self.free_at = {"Off": 0.0, "Pre": 0.0}  # each direction's channel is free from this time
+        self.compute_end = 0.0  # end of the last compute op so far: a transfer listed after it starts no earlier
+        self.n_compute = 0
+        self.changes: list[tuple[float, float, int]] = []
+        self.idle: list[Idle] = []
+        self.host_spans: list[list] = []
+        self.used = False
+
+    def transfer(self, k: int, op: Op, fail) -> tuple:
+        kind, i = op
+        bw = self.chain.bandwidth
+        if bw is None:
+            raise fail("the chain has no bandwidth for transfers; set one with chain.with_bandwidth('pcie5') (or "
+                       "a number of bytes/s)")
+        self.used = True
+        res = self.res
+        if kind == "Off":
+            if i in self.host:
+                raise fail(f"a value of stage {i} is already on the host; bring it back with Pre{i} first")
+            if ("xbar", i) in res:
+                key = ("xbar", i)
+            elif i > 0 and i in self.kept and ("x", i) in res:
+                key = ("x", i)
+            else:
+                raise fail(f"nothing of stage {i} to offload: Off{i} moves x̄_{i + 1} left by Fall{i}, or the "
+                           f"checkpoint x_{i} kept by Fck{i}")
+            size = res.pop(key)
+            self.spans[self.opened.pop(key)][4] = k
+            start = max(self.free_at["Off"], self.compute_end, self.ready.pop(key, 0.0))
+            end = start + size / bw
+            self.host[i] = (key, size, end, k)
+            self.changes.append((end, -1.0, -size))
+        else:
+            if i not in self.host:
+                raise fail(f"no value of stage {i} is on the host; Pre{i} needs an earlier Off{i}")
+            key, size, off_end, off_k = self.host.pop(i)
+            start = max(self.free_at["Pre"], self.compute_end, off_end)
+            end = start + size / bw
+            self.ready[key] = end
+            res[key] = size
+            self.opened[key] = len(self.spans)
+            self.spans.append([key[0], key[1], size, k, None])
+            self.host_spans.append([key[0], key[1], size, off_k, k])
+            self.changes.append((start, 2.0 * self.n_compute - 0.5, size))
+        self.free_at[kind] = end
+        return (k, op, start, end, 0, 0, 0, False)  # memory filled in by replay_memory
+
+    def check_not_on_host(self, i: int, kind: str, fail) -> None:
+        """A compute op may not read (its input, x̄ for B) or re-create (a forward's output) a value on the host."""
+        if not self.host or kind == "Loss":
+            return
+        keys = [("x", i), ("xbar", i - 1), ("xbar", i)] + ([("x", i + 1)] if kind != "B" else [])
+        for s, (key, *_) in self.host.items():
+            if key in keys:
+                what = f"x̄_{s + 1}" if key[0] == "xbar" else f"x_{s}"
+                raise fail(f"{what} is on the host after Off{s}; put Pre{s} before this op")
+
+    def start_compute(self, k: int, op: Op, t: float) -> float:
+        """When compute op ``k`` starts: after the previous one (``t``) and after the prefetches it reads."""
+        if not self.ready:
+            return t
+        kind, i = op
+        keys = [("x", i), ("xbar", i - 1)] if kind != "Loss" else []
+        if kind == "B":
+            keys.append(("xbar", i))
+        start = max([t] + [self.ready[key] for key in keys if key in self.ready])
+        if start > t:
+            waited = next(key for key in keys if self.ready.get(key) == start)
+            self.idle.append(Idle(t, start, k, waited[1]))
+        return start
+
+    def compute_done(self, start: float, end: float, alloc: int, free: int) -> None:
+        c = 2.0 * self.n_compute
+        self.changes += [(start, c, alloc), (end, c + 1.0, -free)]
+        self.n_compute += 1
+        self.compute_end = end
+
+    def replay_memory(self, events: list[tuple], initial: int) -> tuple[list[tuple], tuple]:
+        """Fill every event's memory from the time-ordered changes; also the curve (time, bytes after each)."""
+        order = sorted(range(len(self.changes)), key=lambda n: self.changes[n][:2])
+        after = [0] * len(self.changes)
+        mem = initial
+        curve = []
+        for n in order:
+            mem += self.changes[n][2]
+            after[n] = mem
+            curve.append((self.changes[n][0], mem))
+        pos = {n: p for p, n in enumerate(order)}
+        out, c, n_change = [], 0, 0
+        for e in events:
+            k, op, start, end = e[:4]
+            if op.is_transfer:
+                n = n_change  # its one change, in the order appended: transfers and compute interleave in list order
+                d = self.changes[n][2]
+                out.append((k, op, start, end, after[n] - d, max(after[n], after[n] - d), after[n], False))
+                n_change += 1
+            else:
+                a, z = n_change, n_change + 1  # its start and end changes
+                lo, hi = pos[a], pos[z]
+                peak = max(after[order[p]] for p in range(min(lo, hi), max(lo, hi) + 1))
+                out.append((k, op, start, end, after[a] - self.changes[a][2], peak, after[z], e[7]))
+                n_change += 2
+                c += 1
+        return out, tuple(curve)
 
 
 def _invalid(k: int, op: Op, why: str) -> InvalidSchedule:

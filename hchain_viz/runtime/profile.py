@@ -30,6 +30,7 @@ from torch import nn
 
 from ..core.chain import Chain
 from ..errors import NotSequentialError, ProfileError
+from .fixed import check_optimizer, fixed_memory
 from .measure import (
     LossFn,
     _shapes,
@@ -42,6 +43,7 @@ from .measure import (
     user_code,
 )
 from .memtrack import AllocationTracker, MemoryMeter, map_tensors, nbytes, storage_of, storages, tensors
+from .progress import progress_bar
 from .stages import sequentialize
 
 __all__ = ["profile"]
@@ -49,7 +51,7 @@ __all__ = ["profile"]
 
 def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5,
-            progress: bool = True) -> Chain:
+            progress: bool = True, optimizer: torch.optim.Optimizer | None = None, world_size: int = 1) -> Chain:
     """Measure ``model`` stage by stage on ``sample_input`` and return its :class:`Chain`.
 
     ``model``: an ``nn.Sequential`` (nested ones flattened), a list of modules or ``(name, module)`` pairs, or any
@@ -57,7 +59,14 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     ``loss_fn(output) -> scalar`` gives the last stage its real output gradient; by default
     :func:`~hchain_viz.runtime.measure.default_loss` (mean of squares, whose gradient is a tensor the size of the
     output). ``device``: where to run (default: the model's device); the model must already be there.
-    ``progress``: show a tqdm bar while profiling takes more than a moment.
+    ``progress``: show a progress bar while profiling takes more than a moment (in a notebook, a widget that leaves a
+    line of text behind).
+
+    ``optimizer``: the training step's real optimizer, built on ``model``'s parameters. With it, ``Chain.fixed``
+    records the memory no schedule changes — parameters, their gradients, the optimizer's state and its step's
+    transient (measured by two real steps on zero gradients, undone afterwards), buffers — so that
+    ``simulate(...).device_peak`` and ``solution.schedule(device_memory=...)`` answer for the whole step (DESIGN §7).
+    ``world_size``: the number of ranks sharding parameters, gradients and optimizer state (FSDP / ZeRO-3).
 
     ``Chain.meta`` records the device, dtype, ``param_bytes`` (parameters plus their gradients, reported beside the
     budget, not in it), model class, input shape, torch version and the profiling settings.
@@ -67,6 +76,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     if not isinstance(repeats, int) or repeats < 1:
         raise ProfileError(f"repeats must be a positive integer, got {repeats!r}")
     modules = [model] if isinstance(model, nn.Module) else [m for _, m in sequentialize(model)]
+    if optimizer is not None:  # before the long part: a wrong optimizer fails fast
+        check_optimizer(optimizer, [p for m in modules for p in m.parameters()])
     dev = resolve_device(modules, sample_input, device)
     sample_input = to_device(sample_input, dev)
     stages = sequentialize(model, sample_input)
@@ -74,11 +85,9 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         raise NotSequentialError(f"the {type(model).__name__} has no stages to profile")
     loss_fn = default_loss if loss_fn is None else loss_fn
 
-    from tqdm.auto import tqdm
-
     L = len(stages)
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
-    bar = tqdm(total=L, desc="profiling", unit="stage", disable=not progress, delay=0.5, leave=False)
+    bar = progress_bar(L, "profiling", "stage", enabled=progress)  # in a notebook, text once done
     with preserved_state(modules + [m for _, m in stages], dev), bar:
         h = _leaves(sample_input)
         for i, (name, stage) in enumerate(stages):
@@ -104,8 +113,12 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         "memory": "cuda memory stats" if dev.type == "cuda" else "allocation tracker",
         "loss": "default (output.loss if present, else mean of squares)" if loss_fn is default_loss else repr(loss_fn),
     }
+    fixed = None
+    if optimizer is not None:
+        fixed = fixed_memory(params, [m for _, m in stages], [b for m in modules for b in m.buffers()], optimizer,
+                             dev, world_size)
     return Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
-                 names=[n for n, _ in stages], meta=meta)
+                 names=[n for n, _ in stages], meta=meta, fixed=fixed)
 
 
 class _StageProfile:
