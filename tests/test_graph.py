@@ -464,6 +464,16 @@ def test_hf_labels_make_output_loss_the_default_loss():
     assert "output.loss" in chain.meta["loss"] and chain.x[-1] > 0
 
 
+def test_hf_encoder_decoder_is_refused_with_the_reason():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(num_layers=1, num_decoder_layers=1, d_model=16, d_ff=32, num_heads=2, d_kv=8,
+                                   vocab_size=32, decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config)
+    ids = torch.randint(0, 32, (2, 8))
+    with pytest.raises(NotSequentialError, match="encoder-decoder"):
+        extract_stages(model, {"input_ids": ids, "labels": ids})
+
+
 def test_hf_unknown_family_is_an_hchain_error():
     from hchain_viz.runtime.models import hf_model
 

@@ -139,6 +139,14 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
     mode = _check_granularity(granularity)
     if not isinstance(model, nn.Module):
         raise NotSequentialError(f"extract_stages needs an nn.Module; got {type(model).__name__}")
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
+        # Traced as is, every decoder layer would sit in one stage: no cut point exists while the encoder output
+        # crosses beside the decoder's activation.
+        raise NotSequentialError(
+            f"{type(model).__name__} is an encoder-decoder model, which hchain_viz cannot split into a chain yet: the "
+            f"encoder output travels beside the decoder's activation through every decoder layer, so no single "
+            f"value crosses between them. Pass the stages by hand (tuples may carry both values), or checkpoint the "
+            f"encoder alone (hcv.profile(model.get_encoder(), x)).")
     args, kwargs = _as_call(sample_input)
     kwargs = _without_cache(model, kwargs)
     single = not isinstance(sample_input, (dict, tuple, list))  # stage 0 gets the tensor itself, not a 1-tuple
