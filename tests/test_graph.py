@@ -383,11 +383,11 @@ def test_torchvision_models(name, blocks):
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-def _train_step_matches(model, x, loss_fn, seed=11):
+def _train_step_matches(model, x, loss_fn, seed=11, granularity=None):
     import hchain_viz as hcv
     from hchain_viz.core.solver import least_budget, store_all_peak
 
-    chain = hcv.profile(model, x, loss_fn, warmup=0, repeats=1, progress=False)
+    chain = hcv.profile(model, x, loss_fn, warmup=0, repeats=1, progress=False, granularity=granularity)
     budget = (least_budget(chain) + store_all_peak(chain)) // 2
     schedule = hcv.solve(chain).schedule(budget)
     assert schedule.n_recomputed > 0
@@ -415,3 +415,127 @@ def test_profile_solve_wrap_train_step_hf_gpt2():
     model = _gpt2()
     inp = {"input_ids": torch.randint(0, 64, (2, 16)), "attention_mask": torch.ones(2, 16, dtype=torch.long)}
     _train_step_matches(model, inp, lambda out: out.logits.pow(2).mean())
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face families
+# Default configs (the path a new user takes: use_cache on, sdpa attention), shrunk to test size.
+HF_LAYER = {"gpt2": "h.{}", "llama": "layers.{}", "bert": "layer.{}", "vit": "layers.{}"}
+
+
+def _hf(family: str, layers: int = 2, **kwargs):
+    pytest.importorskip("transformers")
+    from hchain_viz.runtime.models import hf_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if family == "vit":  # 16-pixel images in 4-pixel patches: 16 tokens + CLS
+            kwargs.setdefault("patch_size", 4)
+        return hf_model(family, layers=layers, hidden=32, heads=4, vocab=64, seq=16, **kwargs)
+
+
+@pytest.mark.parametrize("family", list(HF_LAYER))
+def test_hf_default_config_families_split_per_layer_and_train_like_eager(family):
+    model, inp, loss_fn = _hf(family)
+    config_before = model.config.to_dict()
+    inp_before = dict(inp)
+    chain = _train_step_matches(model, inp, loss_fn)
+    layers = [n for n in chain.names if n.split(".")[0] == HF_LAYER[family].split(".")[0]]
+    assert layers == [HF_LAYER[family].format(i) for i in range(2)], chain.names
+    # The KV cache is switched off in the call, as HF's gradient checkpointing does: the config is not touched.
+    # (BERT itself records problem_type on its first call with labels.)
+    config_before.pop("problem_type", None)
+    assert {k: v for k, v in model.config.to_dict().items() if k != "problem_type"} == config_before
+    assert inp == inp_before and "use_cache" not in inp
+
+
+def test_hf_labels_make_output_loss_the_default_loss():
+    from hchain_viz.runtime.measure import default_loss
+
+    model, inp, _ = _hf("gpt2", layers=1)
+    out = model(**inp, use_cache=False)
+    assert default_loss(out) is out.loss
+    del inp["labels"]
+    out = model(**inp, use_cache=False)
+    assert out.loss is None and torch.equal(default_loss(out), out.logits.float().pow(2).mean())
+    import hchain_viz as hcv
+
+    model, inp, _ = _hf("bert", layers=1)
+    chain = hcv.profile(model, inp, warmup=0, repeats=1, progress=False)
+    assert "output.loss" in chain.meta["loss"] and chain.x[-1] > 0
+
+
+def test_hf_encoder_decoder_is_refused_with_the_reason():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(num_layers=1, num_decoder_layers=1, d_model=16, d_ff=32, num_heads=2, d_kv=8,
+                                   vocab_size=32, decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config)
+    ids = torch.randint(0, 32, (2, 8))
+    with pytest.raises(NotSequentialError, match="encoder-decoder"):
+        extract_stages(model, {"input_ids": ids, "labels": ids})
+
+
+def test_hf_unknown_family_is_an_hchain_error():
+    from hchain_viz.runtime.models import hf_model
+
+    with pytest.raises(HChainError, match="gpt2"):
+        hf_model("t6")
+
+
+# ---------------------------------------------------------------------------------------------- sub-layer stages
+SUBLAYER_EAGER = ["attn.qkv", "attn.scores", "attn.probs", "attn.context", "attn.out", "mlp.up", "mlp.down"]
+CORE = {"attn.scores", "attn.probs", "attn.context", "attn.core"}
+
+
+def _check_sublayer_chain(chain, layer: str, roles: list[str], layers: int = 2) -> None:
+    """Names, groups and tags per layer; the residual stream is one tensor shared across the cuts of a layer."""
+    expected = [layer.format(i) + "." + r for i in range(layers) for r in roles]
+    assert [n for n in chain.names if n.startswith(layer.split(".")[0] + ".")] == expected, chain.names
+    for i in range(layers):
+        name = layer.format(i)
+        first = chain.names.index(f"{name}.{roles[0]}")
+        assert (name, first, first + len(roles) - 1) in chain.groups
+    assert all((tag == "attn_core") == (name.split(".", 2)[-1] in CORE) for name, tag in zip(chain.names, chain.tags)
+               if name.startswith(layer.split(".")[0] + "."))
+    # Inside a layer the residual stream (the layer's input, x[first]) crosses the attention's cuts unchanged.
+    for i in range(layers):
+        first = chain.names.index(f"{layer.format(i)}.{roles[0]}")
+        out = first + roles.index("attn.out")  # x[first..out]: the inputs of qkv .. attn.out all hold it
+        assert any(a == first and b == out and size <= chain.x[first] for a, b, size in chain.shared), (
+            first, chain.shared)
+    for a, b, size in chain.shared:
+        assert all(chain.x[k] >= size for k in range(a, b + 1))
+
+
+def test_sublayer_nanogpt_trains_like_eager():
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2)
+    idx, target = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
+    chain = _train_step_matches(model, idx, lambda out: F.cross_entropy(out.reshape(-1, 50), target.reshape(-1)),
+                                granularity="sublayer")
+    assert chain.names[0] == "stem" and chain.names[-1] == "head"
+    _check_sublayer_chain(chain, "h.{}", SUBLAYER_EAGER)
+
+
+@pytest.mark.parametrize("family, layer", [("gpt2", "h.{}"), ("llama", "layers.{}")])
+def test_sublayer_hf_eager_attention_trains_like_eager(family, layer):
+    model, inp, loss_fn = _hf(family, attn_implementation="eager")
+    chain = _train_step_matches(model, inp, loss_fn, granularity="sublayer")
+    _check_sublayer_chain(chain, layer, SUBLAYER_EAGER)
+
+
+def test_sublayer_fused_attention_is_one_core_stage():
+    from hchain_viz.runtime.graph import extract_stages
+
+    model, inp, _ = _hf("gpt2", attn_implementation="sdpa")
+    stages = extract_stages(model, inp, granularity="sublayer")
+    names = [n for n, _ in stages]
+    assert names[1:6] == ["h.0.attn.qkv", "h.0.attn.core", "h.0.attn.out", "h.0.mlp.up", "h.0.mlp.down"]
+    assert [s.tag for _, s in stages[1:6]] == ["", "attn_core", "", "", ""]
+    assert {s.group for _, s in stages[1:6]} == {"h.0"} and stages[0][1].group is None
+
+
+
+def test_sublayer_bert_encoder_with_mask():
+    model, inp, loss_fn = _hf("bert", attn_implementation="eager")
+    chain = _train_step_matches(model, inp, loss_fn, granularity="sublayer")
+    _check_sublayer_chain(chain, "layer.{}", SUBLAYER_EAGER)

@@ -294,3 +294,27 @@ def test_look_alike_with_another_forward_reuses_its_traced_stages():
     model.eval()
     with torch.no_grad():
         assert torch.equal(run(again, x), model(x))
+
+
+class LooksLikeSqueezeNet(nn.Module):
+    """torchvision's SqueezeNet layout: ``features`` and a convolutional ``classifier`` that needs the 4-D map, so
+    the VGG-style reading (features, avgpool, flatten, classifier) fails when run."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU())
+        self.classifier = nn.Sequential(nn.Conv2d(8, 5, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+
+    def forward(self, x):
+        return torch.flatten(self.classifier(self.features(x)), 1)
+
+
+def test_look_alike_whose_layout_fails_to_run_falls_back_to_graph_extraction():
+    torch.manual_seed(0)
+    model, x = LooksLikeSqueezeNet(), torch.randn(2, 3, 12, 12)
+    stages = sequentialize(model, x)  # the duck layout raises inside; the traced graph is used instead
+    assert type(stages[0][1]).__name__ == "GraphStage"
+    with torch.no_grad():
+        assert torch.equal(run(stages, x), model(x))
+    with pytest.raises(HChainError):  # a wrong input still fails, in extraction
+        sequentialize(model, torch.randn(2, 5, 12, 12))

@@ -7,6 +7,7 @@
 - ``models``: automatic chain extraction on real architectures.
 - ``fit``: whole-step peaks and largest batch sizes, predicted vs measured (will it fit, DESIGN §7).
 - ``compile``: compiled stages under the optimal schedule against torch.compile's activation_memory_budget.
+- ``transformers``: transformer chains at module and sub-layer granularity vs per-layer and selective recomputation.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-BENCHMARKS = ("solver", "profile", "train", "widget", "models", "fit", "gpu", "compile")
+BENCHMARKS = ("solver", "profile", "train", "widget", "models", "fit", "gpu", "compile", "transformers")
 
 
 def print_table(head: Sequence[object], rows: Sequence[Sequence[object]], *, left: int = 0, rule: bool = False) -> None:

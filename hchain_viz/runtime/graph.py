@@ -83,6 +83,8 @@ class GraphStage(nn.Module):
         self.method = method
         self.baked_training = baked_training
         self._out_spec = out_spec
+        self.group: str | None = None  # the block (layer) this stage belongs to; set by extract_stages
+        self.tag = ""  # "attn_core" on the stages of the core attention
         # The model, whose train/eval mode we compare with: weakly held (the extraction cache is keyed by it).
         object.__setattr__(self, "_probe", weakref.ref(probe) if probe is not None else None)
 
@@ -118,10 +120,16 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
             takes this same object.
         granularity: ``None`` or ``"module"`` (default): cut only between whole blocks (a residual block, a
             transformer layer; the layers before the first block form ``"stem"``, after the last ``"head"``);
+            ``"sublayer"``: the blocks cut further inside, where a few tensors cross (the residual stream plus the
+            current value): after the qkv projection (``h.3.attn.qkv``), the attention scores, the probabilities
+            (``h.3.attn.probs``), probabilities times values (``h.3.attn.context``), the attention output
+            (``h.3.attn.out``), the MLP's up-projection and activation (``h.3.mlp.up``), ``h.3.mlp.down``;
             ``"finest"``: every cut point; an int ``N``: ``N`` stages balanced by the measured time of their ops.
 
     Returns:
-        ``[(name, stage), ...]`` where ``stage`` is a :class:`GraphStage`.
+        ``[(name, stage), ...]`` where ``stage`` is a :class:`GraphStage`; ``stage.group`` names the block it
+        belongs to (``"h.3"``, ``None`` for the stem and head) and ``stage.tag`` is ``"attn_core"`` on the stages of
+        the core attention (scores, probabilities, probabilities times values, or a fused attention op).
 
     Raises:
         NotSequentialError: the model could not be traced (data-dependent control flow, unsupported inputs), has
@@ -131,7 +139,16 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
     mode = _check_granularity(granularity)
     if not isinstance(model, nn.Module):
         raise NotSequentialError(f"extract_stages needs an nn.Module; got {type(model).__name__}")
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
+        # Traced as is, every decoder layer would sit in one stage: no cut point exists while the encoder output
+        # crosses beside the decoder's activation.
+        raise NotSequentialError(
+            f"{type(model).__name__} is an encoder-decoder model, which hchain_viz cannot split into a chain yet: the "
+            f"encoder output travels beside the decoder's activation through every decoder layer, so no single "
+            f"value crosses between them. Pass the stages by hand (tuples may carry both values), or checkpoint the "
+            f"encoder alone (hcv.profile(model.get_encoder(), x)).")
     args, kwargs = _as_call(sample_input)
+    kwargs = _without_cache(model, kwargs)
     single = not isinstance(sample_input, (dict, tuple, list))  # stage 0 gets the tensor itself, not a 1-tuple
     failures: list[str] = []
     for method, tracer in (("torch.fx", _trace_fx), ("torch.export", _trace_export)):
@@ -141,6 +158,8 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
             segments = plan.segments(mode)
             names = plan.names(segments, mode)
             stages = [(name, plan.build_stage(a, b, name)) for (a, b), name in zip(segments, names)]
+            for (_, stage), group, tag in zip(stages, plan.groups, plan.tags):
+                stage.group, stage.tag = group, tag
             _verify(model, sample_input, args, kwargs, stages)
         except _NoCut as exc:
             failures.append(f"{method}: {exc}")
@@ -178,13 +197,14 @@ def cached_stages(model: nn.Module, granularity: None | str | int | object = ...
 def _check_granularity(granularity: Any) -> str | int:
     if granularity is None or granularity == "module":
         return "module"
-    if granularity == "finest":
-        return "finest"
+    if granularity in ("finest", "sublayer"):
+        return granularity
     if isinstance(granularity, int) and not isinstance(granularity, bool) and granularity >= 1:
         return granularity
     raise NotSequentialError(
-        f"granularity must be None or 'module' (whole blocks), 'finest' (every cut point) or a positive int "
-        f"(that many balanced stages); got {granularity!r}")
+        f"granularity must be None or 'module' (whole blocks), 'sublayer' (blocks cut where the residual stream and "
+        f"the current value cross), 'finest' (every single-value cut point) or a positive int (that many balanced "
+        f"stages); got {granularity!r}")
 
 
 def _as_call(sample_input: Any) -> tuple[tuple, dict]:
@@ -196,9 +216,64 @@ def _as_call(sample_input: Any) -> tuple[tuple, dict]:
     return (sample_input,), {}
 
 
+def _without_cache(model: nn.Module, kwargs: dict) -> dict:
+    """The call's keyword arguments with ``use_cache=False`` added for models that keep a KV cache (Hugging Face).
+
+    Training never reads the cache, and a cache object in the output cannot be traced. This is what HF's own
+    gradient checkpointing does: it passes ``use_cache=False`` in the call and leaves ``model.config`` unchanged;
+    so do we (the stages are traced with it; the user's config and input dict are not modified).
+    """
+    config = getattr(model, "config", None)
+    takes = "use_cache" in inspect.signature(model.forward).parameters or hasattr(config, "use_cache")
+    if not takes or kwargs.get("use_cache") is False:
+        return kwargs
+    return {**kwargs, "use_cache": False}
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0][:300] if text else ""
+
+
+# Sub-layer cuts: at most this many parameter-dependent tensors cross (residual, q, k, v after the projections).
+_SUBLAYER_MAX_MAINS = 4
+# Ops that only reshape or retype a value: a projection "reads" the value behind them.
+_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "contiguous", "transpose", "permute", "t", "expand", "to",
+          "type", "float", "unsqueeze", "squeeze", "_to_copy", "clone", "alias"}
+_PRODUCTS = {"linear", "addmm", "matmul", "bmm", "mm", "conv1d", "conv2d", "conv3d", "convolution", "einsum",
+             "baddbmm"}
+_ATTN_CORE = {"attn.core", "attn.scores", "attn.probs", "attn.context"}
+
+
+def _roles(parts: list[list[str]]) -> list[str]:
+    """Readable roles of the parts of one transformer block, from the heavy ops each holds (see _Plan._heavy):
+    attn.qkv, attn.scores, attn.probs, attn.context (or attn.core for a fused attention op), attn.out, mlp.up,
+    mlp.down. A block without attention gets part0, part1, ..."""
+    if len(parts) == 1:
+        return [""]
+    kinds = [set(k) - {""} for k in parts]
+    attn = [i for i, k in enumerate(kinds) if k & {"matmul", "softmax", "fused"}]
+    if not attn:
+        return [f"part{i}" for i in range(len(parts))]
+    soft = next((i for i in attn if "softmax" in kinds[i]), None)
+    roles = []
+    for i, k in enumerate(kinds):
+        if "fused" in k:
+            roles.append("attn.core")
+        elif "softmax" in k:
+            roles.append("attn.probs")
+        elif "matmul" in k:
+            roles.append("attn.scores" if soft is not None and i < soft else "attn.context")
+        elif i < attn[0]:
+            roles.append("attn.qkv" if i == attn[0] - 1 else f"attn.in{i}")
+        elif i == attn[-1] + 1:
+            roles.append("attn.out")
+        elif i == len(parts) - 1:
+            roles.append("mlp.down")
+        else:
+            k_up = i - attn[-1] - 2
+            roles.append("mlp.up" if k_up == 0 else f"mlp.up{k_up + 1}")
+    return roles
 
 
 class _NoCut(Exception):
@@ -444,6 +519,7 @@ class _Info:
     kind: dict[fx.Node, str] = field(default_factory=dict)  # "tensors", "literal" or "other"
     literal: dict[fx.Node, Any] = field(default_factory=dict)
     seconds: dict[fx.Node, float] = field(default_factory=dict)
+    storages: dict[fx.Node, dict[int, int]] = field(default_factory=dict)  # data pointer -> bytes, per value
 
 
 class _Recorder(fx.Interpreter):
@@ -460,6 +536,8 @@ class _Recorder(fx.Interpreter):
         self.info.seconds[original] = seconds
         if _is_tensors(value):
             self.info.kind[original] = "tensors"
+            self.info.storages[original] = {
+                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pytree.tree_leaves(value)}
         elif _is_literal(value):
             self.info.kind[original] = "literal"
             self.info.literal[original] = _as_literal(value)
@@ -637,6 +715,7 @@ class _Plan:
         """Inclusive ranges of ``self.order`` positions, one per stage."""
         if not self.valid:
             raise _NoCut(self._no_cut_reason())
+        self._roles: list[str] = []
         if mode == "finest":
             cuts = self.valid
         elif isinstance(mode, int):
@@ -644,7 +723,87 @@ class _Plan:
         else:
             cuts = self._module_cuts()
         bounds = [-1, *cuts, len(self.order) - 1]
-        return [(bounds[i] + 1, bounds[i + 1]) for i in range(len(bounds) - 1)]
+        segments = [(bounds[i] + 1, bounds[i + 1]) for i in range(len(bounds) - 1)]
+        if mode == "sublayer":
+            segments = self._sublayer(segments)
+        return segments
+
+    # -- sub-layer cuts --------------------------------------------------------------------------------------------
+
+    def _multi_cuttable(self, p: int) -> bool:
+        """A cut inside a block: a few tensors cross (the residual stream, the current value, what attention still
+        needs such as v), none written in place later."""
+        values = self.crossing[p]
+        return (0 < sum(v in self.param for v in values) <= _SUBLAYER_MAX_MAINS and all(
+            self.info.kind.get(v) == "tensors" and v not in self.written_later.get(p, ()) for v in values))
+
+    def _crossing_bytes(self, p: int) -> int:
+        seen: dict[int, int] = {}
+        for v in self.crossing[p]:
+            seen.update(self.info.storages.get(v, {}))
+        return sum(seen.values())
+
+    def _heavy(self, n: fx.Node) -> str:
+        """The kind of op that a sub-layer cut goes around: "weight" (a projection by a parameter), "qk"/"pv"
+        (a product of two activations), "softmax", "fused" (a fused attention op); "" for the rest."""
+        name = _target_name(n).lower()
+        if "scaled_dot_product" in name or "flash_attention" in name or "flex_attention" in name:
+            return "fused"
+        if "softmax" in name:
+            return "softmax"
+        if n.op == "call_module":  # a Linear or a convolution (a weight matrix), not a norm's scale vector
+            weight = getattr(self.traced.attrs[n.target], "weight", None)
+            return "weight" if isinstance(weight, torch.Tensor) and weight.dim() >= 2 else ""
+        if name.split(".")[0] in _PRODUCTS:
+            inputs = n.all_input_nodes
+            if any(m in self.const and m in self.param for m in inputs) or any(
+                    m.op == "get_attr" and m in self.param for m in inputs):
+                return "weight"
+            if sum(m not in self.const for m in inputs) >= 2:
+                return "matmul"
+        return ""
+
+    def _root(self, n: fx.Node) -> fx.Node:
+        """``n``'s first activation input followed back through views (the value a projection reads)."""
+        m = next((a for a in n.all_input_nodes if a not in self.const), n)
+        while _target_name(m).split(".")[0] in _VIEWS and m.all_input_nodes:
+            nxt = next((a for a in m.all_input_nodes if a not in self.const), None)
+            if nxt is None:
+                break
+            m = nxt
+        return m
+
+    def _sublayer(self, segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Cut every block segment between its heavy ops, at the crossing of fewest bytes (the latest on a tie)."""
+        out: list[tuple[int, int]] = []
+        self._roles, self._parent, self._module_segments = [], [], segments
+        for index, (a, b) in enumerate(segments):
+            if not any(self._is_block(u) for u in self._units[a: b + 1] if u not in self._glue):
+                out.append((a, b))
+                self._roles.append("")
+                self._parent.append(index)
+                continue
+            groups: list[tuple[str, int, int, fx.Node | None]] = []  # (kind, first, last, root read)
+            for p in range(a, b + 1):
+                kind = self._heavy(self.order[p])
+                if not kind:
+                    continue
+                root = self._root(self.order[p]) if kind == "weight" else None
+                if groups and kind == "weight" and groups[-1][0] == "weight" and groups[-1][3] is root:
+                    groups[-1] = ("weight", groups[-1][1], p, root)  # q, k, v (or gate, up) read the same value
+                else:
+                    groups.append((kind, p, p, root))
+            cuts = []
+            for (_, _, end, _), (_, start, _, _) in zip(groups, groups[1:]):
+                window = [p for p in range(end, start) if a <= p < b and self._multi_cuttable(p)]
+                if window:
+                    cuts.append(min(window, key=lambda p: (self._crossing_bytes(p), -p)))
+            bounds = [a - 1, *sorted(set(cuts)), b]
+            parts = [(bounds[i] + 1, bounds[i + 1]) for i in range(len(bounds) - 1)]
+            out += parts
+            self._parent += [index] * len(parts)
+            self._roles += _roles([[self._heavy(n) for n in self.order[x: y + 1]] for x, y in parts])
+        return out
 
     def _no_cut_reason(self) -> str:
         # Show the narrowest point of the graph: what crosses there.
@@ -704,14 +863,18 @@ class _Plan:
         except AttributeError:
             return None
 
-    def _expanded(self, module: nn.Module, depth: int, force: int) -> bool:
+    def _expanded(self, module: nn.Module, depth: int, force: int, in_blocks: bool = False) -> bool:
         """Split this module's children into separate units? Yes for the model itself, for containers of blocks
-        (a ModuleList of layers, resnet's ``layer2``), for wrappers holding such a container (GPT2Model holding
-        ``h``), and, when these units give a single stage, for every module above depth ``force``. A container of
-        single layers (``nn.Sequential(conv, bn)``) is a block itself."""
+        (a ModuleList of layers, resnet's ``layer2``), for wrappers holding such a container at any depth
+        (GPT2Model holding ``h``; BertForSequenceClassification holding ``bert.encoder.layer``), and, when these
+        units give a single stage, for every module above depth ``force``. A block of such a container
+        (``in_blocks``: a transformer layer, even one holding a list of its own sub-layers) stays whole, and a
+        container of single layers (``nn.Sequential(conv, bn)``) is a block itself."""
         if depth == 0 or depth < force or (isinstance(module, _CONTAINERS) and _holds_blocks(module)):
             return True
-        return any(isinstance(c, _CONTAINERS) and _holds_blocks(c) for c in module.children())
+        if in_blocks:
+            return False
+        return any(isinstance(c, _CONTAINERS) and _holds_blocks(c) for c in module.modules() if c is not module)
 
     def unit(self, path: str, force: int) -> str:
         """The module a node belongs to at module granularity: the first non-expanded module on its path.
@@ -719,16 +882,18 @@ class _Plan:
         module's path and are recorded as glue."""
         module, unit = self.model, []
         parts = path.split(".") if path else []
+        in_blocks = False
         for depth, part in enumerate(parts):
-            if not self._expanded(module, depth, force):
+            if not self._expanded(module, depth, force, in_blocks):
                 break
             child = getattr(module, part, None)
             if not isinstance(child, nn.Module):
                 break
+            in_blocks = isinstance(module, _CONTAINERS) and _holds_blocks(module)
             module = child
             unit.append(part)
         else:
-            if self._expanded(module, len(parts), force):
+            if self._expanded(module, len(parts), force, in_blocks):
                 self._glue.add(".".join(unit))
         return ".".join(unit)
 
@@ -772,7 +937,17 @@ class _Plan:
 
     def names(self, segments: list[tuple[int, int]], mode: str | int) -> list[str]:
         """One readable, unique name per segment: the module it is ("h.3", "denseblock1"), "stem"/"head" at
-        module granularity, a range of modules ("wte..h.1"), or part of one module ("layer1.0[conv1..bn2]")."""
+        module granularity, a range of modules ("wte..h.1"), or part of one module ("layer1.0[conv1..bn2]");
+        at sub-layer granularity the block's name and the part's role ("h.3.attn.probs"). Sets ``self.groups``
+        (the block of each segment, or None) and ``self.tags`` ("attn_core" on the core attention's parts)."""
+        if mode == "sublayer":
+            blocks = self.names(self._module_segments, "module")
+            block_groups = self.groups
+            self.groups = [block_groups[k] for k in self._parent]
+            self.tags = ["attn_core" if role in _ATTN_CORE else "" for role in self._roles]
+            return [blocks[k] + (f".{role}" if role else "") for k, role in zip(self._parent, self._roles)]
+        self.groups: list[str | None] = [None] * len(segments)
+        self.tags = [""] * len(segments)
         owners = [self.owner(n) for n in self.order]
         if mode != "module":
             self._glue = set()
@@ -798,8 +973,10 @@ class _Plan:
             kids = [o.split(".")[depth] for o in paths if o.count(".") >= depth and _under(o, first) and o != first]
             part = "" if not kids else f"[{kids[0]}]" if kids[0] == kids[-1] else f"[{kids[0]}..{kids[-1]}]"
             full.append(("part", first or "model", part))
+        names_are_blocks = False
         if mode == "module":
             blocky = [any(self._is_block(u) for u in units[a: b + 1]) for a, b in segments]
+            names_are_blocks = any(blocky)
             if any(blocky):
                 first_block, last_block = blocky.index(True), len(blocky) - 1 - blocky[::-1].index(True)
                 for i in range(len(full)):
@@ -807,7 +984,10 @@ class _Plan:
                         full[i] = ("fixed", "stem")
                     elif i > last_block:
                         full[i] = ("fixed", "head")
-        return _shorten(full)
+        names = _shorten(full)
+        if names_are_blocks:
+            self.groups = [n if blocky[i] else None for i, n in enumerate(names)]
+        return names
 
     # -- building ------------------------------------------------------------------------------------------------
 

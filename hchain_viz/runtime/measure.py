@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,11 +32,16 @@ LossFn = Callable[[Any], torch.Tensor]
 
 
 def default_loss(output: Any) -> torch.Tensor:
-    """The loss used when none is given: the mean of squares (in float32) of every floating tensor in ``output``.
+    """The loss used when none is given: the model's own loss when its output carries one (a Hugging Face model
+    called with ``labels`` returns ``output.loss``), else the mean of squares (in float32) of every floating tensor
+    in ``output``.
 
-    Its gradient ``2 * output / numel`` is a real tensor the size of the output, as a real loss's is (``out.sum()``
-    would give an expanded scalar of 0 bytes and hide the output gradient's memory).
+    The mean of squares' gradient ``2 * output / numel`` is a real tensor the size of the output, as a real loss's
+    is (``out.sum()`` would give an expanded scalar of 0 bytes and hide the output gradient's memory).
     """
+    own = output.get("loss") if isinstance(output, Mapping) else None  # HF ModelOutput is an OrderedDict
+    if isinstance(own, torch.Tensor) and own.numel() == 1:
+        return own
     outs = [t for t in tensors(output) if t.is_floating_point() or t.is_complex()]
     if not outs:
         raise ProfileError(

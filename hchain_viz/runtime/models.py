@@ -5,6 +5,8 @@
   times range from microseconds (flatten) to the convolution blocks, so optimal and uniform checkpointing differ.
 - :func:`transformer_chain`: a GPT-style decoder (embedding, pre-LN blocks with dropout, head) as ``nn.Sequential``.
 - :func:`mlp_chain`: dense layers of very different widths.
+- :func:`hf_model`: a Hugging Face GPT-2, LLaMA, BERT or ViT from its *default* config (random weights, nothing
+  downloaded), optionally shrunk, with a dict input that holds ``labels`` (the loss is the model's ``output.loss``).
 - :func:`resnet_skip`: the same kind of ResNet written as an ordinary ``nn.Module`` with its own ``forward()`` and
   skip connections, laid out like torchvision's ResNet (``conv1, bn1, relu, maxpool, layer1.., avgpool, fc``).
 
@@ -29,7 +31,8 @@ from torch import nn
 
 from ..errors import HChainError
 
-__all__ = ["DEFAULT_DEMO", "DEMOS", "demo_model", "resnet_chain", "transformer_chain", "mlp_chain", "resnet_skip"]
+__all__ = ["DEFAULT_DEMO", "DEMOS", "demo_model", "resnet_chain", "transformer_chain", "mlp_chain", "resnet_skip",
+           "nanogpt", "HF_FAMILIES", "hf_model"]
 
 Demo = tuple[nn.Module, torch.Tensor, Callable[[Any], torch.Tensor]]
 
@@ -335,3 +338,83 @@ def demo_model(name: str | None = None, **kwargs: Any) -> Demo:
         raise HChainError(f"demo model {name!r} has no option(s) {', '.join(unknown)}; it takes: "
                           f"{', '.join(accepted)}")
     return build(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face
+# family -> (config class, model class, config fields for (layers, hidden, heads, intermediate, kv heads))
+HF_FAMILIES: dict[str, tuple[str, str, tuple[str, str, str, str | None, str | None]]] = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", ("n_layer", "n_embd", "n_head", "n_inner", None)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "num_key_value_heads")),
+    "bert": ("BertConfig", "BertForSequenceClassification",
+             ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", None)),
+    "vit": ("ViTConfig", "ViTForImageClassification",
+            ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", None)),
+}
+
+
+class _OwnLoss:
+    """``loss_fn(output)``: the loss a Hugging Face model computed itself from the ``labels`` it was given."""
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        return output["loss"]
+
+    def __repr__(self) -> str:
+        return "output.loss"
+
+
+def hf_model(family: str, *, batch: int = 2, seq: int = 128, layers: int | None = None, hidden: int | None = None,
+             heads: int | None = None, vocab: int | None = None, attn_implementation: str | None = None,
+             seed: int = 0, **overrides: Any) -> tuple[nn.Module, dict[str, torch.Tensor], Callable]:
+    """A Hugging Face model built from its family's **default** config, in train mode, random weights.
+
+    ``family``: one of :data:`HF_FAMILIES` (``"gpt2"``, ``"llama"`` — rotary embeddings and grouped-query
+    attention, as Mistral and Qwen2 — ``"bert"``, ``"vit"``). ``layers``, ``hidden``, ``heads``, ``vocab`` shrink
+    the default config (``None`` keeps the default; the MLP stays 4x ``hidden`` and LLaMA keeps 2 query heads per
+    key/value head). ``seq`` is the number of tokens (ViT: the image side is ``seq`` pixels, 16-pixel patches).
+    ``attn_implementation``: ``"eager"`` materialises the attention probabilities, ``"sdpa"`` fuses them, ``None``
+    lets transformers choose. ``overrides``: any other config fields (``patch_size=4``).
+    Returns ``(model, inputs, loss_fn)`` with ``inputs`` a dict (``input_ids``,
+    ``attention_mask`` where the family has one, ``labels``) and ``loss_fn`` returning ``output.loss``.
+    Needs ``transformers``; raises :class:`~hchain_viz.errors.HChainError` for an unknown family.
+    """
+    if family not in HF_FAMILIES:
+        raise HChainError(f"unknown Hugging Face family {family!r}; choose one of: {', '.join(HF_FAMILIES)}")
+    import transformers
+
+    config_name, model_name, (f_layers, f_hidden, f_heads, f_inner, f_kv) = HF_FAMILIES[family]
+    config = getattr(transformers, config_name)()
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    for field_, value in ((f_layers, layers), (f_hidden, hidden), (f_heads, heads)):
+        if value is not None:
+            setattr(config, field_, value)
+    if hidden is not None and f_inner is not None:
+        setattr(config, f_inner, 4 * hidden)
+    if f_kv is not None and (heads is not None or hidden is not None):
+        setattr(config, f_kv, max(1, getattr(config, f_heads) // 2))
+    if vocab is not None and hasattr(config, "vocab_size"):
+        config.vocab_size = vocab
+    if family == "gpt2":
+        config.n_positions = max(config.n_positions, seq)
+    if family == "vit":
+        config.image_size = seq
+    for name, value in overrides.items():
+        if not hasattr(config, name):
+            raise HChainError(f"{config_name} has no field {name!r}")
+        setattr(config, name, value)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_name)(config).train()
+        if family == "vit":
+            inputs = {"pixel_values": torch.randn(batch, config.num_channels, seq, seq),
+                      "labels": torch.randint(0, config.num_labels, (batch,))}
+        else:
+            ids = torch.randint(0, config.vocab_size, (batch, seq))
+            inputs = {"input_ids": ids}
+            if family == "bert":
+                inputs["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
+                inputs["labels"] = torch.randint(0, config.num_labels, (batch,))
+            else:
+                inputs["labels"] = ids
+    return model, inputs, _OwnLoss()

@@ -56,7 +56,7 @@ __all__ = ["profile"]
 def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5,
             progress: bool = True, optimizer: torch.optim.Optimizer | None = None, world_size: int = 1,
-            compile: bool | Mapping[str, Any] = False) -> Chain:
+            compile: bool | Mapping[str, Any] = False, granularity: str | int | None = None) -> Chain:
     """Measure ``model`` stage by stage on ``sample_input`` and return its :class:`Chain`.
 
     ``model``: an ``nn.Sequential`` (nested ones flattened), a list of modules or ``(name, module)`` pairs, or any
@@ -77,6 +77,12 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     forward and backward, x̄ = the output plus what the compiled graph saves for its backward, and the transients of
     the compiled code. At least one untimed warm-up run compiles the graphs; ``meta["compile"]`` records the setting.
 
+    ``granularity``: how finely graph extraction cuts a model it has to trace (see
+    :func:`~hchain_viz.runtime.graph.extract_stages`): ``"sublayer"`` cuts transformer layers inside, where the
+    residual stream and the current value cross. The chain's ``groups`` (the stages of each layer) and ``tags``
+    (``"attn_core"``) come from the extraction; ``shared`` lists the tensors that a stage passes on unchanged
+    (same storage) across consecutive boundaries, such as the residual stream inside a layer or an attention mask.
+
     ``Chain.meta`` records the device, dtype, ``param_bytes`` (parameters plus their gradients, reported beside the
     budget, not in it), model class, input shape, torch version and the profiling settings.
     """
@@ -89,7 +95,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         check_optimizer(optimizer, [p for m in modules for p in m.parameters()])
     dev = resolve_device(modules, sample_input, device)
     sample_input = to_device(sample_input, dev)
-    stages = sequentialize(model, sample_input)
+    stages = sequentialize(model, sample_input, granularity=granularity)
     if not stages:
         raise NotSequentialError(f"the {type(model).__name__} has no stages to profile")
     loss_fn = default_loss if loss_fn is None else loss_fn
@@ -103,6 +109,9 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
     fwd_spread, bwd_spread = [0.0] * L, [0.0] * L
     bar = progress_bar(L, "profiling", "stage", enabled=progress)  # in a notebook, text once done
+    # identity[i][j]: which tensor the j-th tensor of boundary value x[i] is (a stage may hand on its input's)
+    identity: list[list[int]] = [list(range(len(tensors(sample_input))))]
+    sizes = {j: nbytes(t) for j, t in enumerate(tensors(sample_input))}
     with preserved_state(modules + [m for _, m in stages], dev), bar:
         h = _leaves(sample_input)
         for i, ((name, _), stage) in enumerate(zip(stages, runners)):
@@ -113,6 +122,16 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
                                                                    r.fwd_tmp, r.bwd_tmp)
             fwd_spread[i], bwd_spread[i] = r.fwd_spread, r.bwd_spread
             h = r.next_input
+            ids = []
+            for k, t in enumerate(tensors(h)):
+                j = r.passed_on.get(k)
+                if j is None:
+                    j = len(sizes)
+                    sizes[j] = nbytes(t)
+                else:
+                    j = identity[i][j]
+                ids.append(j)
+            identity.append(ids)
             bar.update(1)
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     meta = {
@@ -129,7 +148,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         "time_spread": {"fwd": fwd_spread, "bwd": bwd_spread},
         "timer": "cuda events" if dev.type == "cuda" else "perf_counter",
         "memory": "cuda memory stats" if dev.type == "cuda" else "allocator log",
-        "loss": "default (mean of squares)" if loss_fn is default_loss else repr(loss_fn),
+        "loss": "default (output.loss if present, else mean of squares)" if loss_fn is default_loss else repr(loss_fn),
     }
     if options is not None:
         meta["compile"] = describe(options)
@@ -138,7 +157,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         fixed = fixed_memory(params, [m for _, m in stages], [b for m in modules for b in m.buffers()], optimizer,
                              dev, world_size)
     chain = Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
-                  names=[n for n, _ in stages], meta=meta, fixed=fixed)
+                  names=[n for n, _ in stages], meta=meta, fixed=fixed, groups=_groups(stages),
+                  tags=[getattr(m, "tag", "") or "" for _, m in stages], shared=_shared(identity, sizes))
     _warn_if_noisy(chain)
     return chain
 
@@ -209,8 +229,13 @@ class _StageProfile:
 
     def _probe(self) -> None:
         """One forward: the output (next stage's input), its size, and the gradient the backward will get."""
-        out = self._forward(self._input())
+        inp = self._input()
+        out = self._forward(inp)
         self.out_bytes = nbytes(out)
+        # output tensor k is input tensor j, handed on unchanged (the residual stream, a mask): {k: j}
+        ins = {(t.untyped_storage().data_ptr(), t.data_ptr(), t.shape): j for j, t in enumerate(tensors(inp))}
+        self.passed_on = {k: ins[key] for k, t in enumerate(tensors(out))
+                          if (key := (t.untyped_storage().data_ptr(), t.data_ptr(), t.shape)) in ins}
         self.next_input = _leaves(out)
         diff = [t for t in tensors(out) if t.requires_grad]
         if self.loss_fn is not None:
@@ -266,6 +291,29 @@ class _StageProfile:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _groups(stages: list[tuple[str, nn.Module]]) -> list[tuple[str, int, int]]:
+    """Runs of consecutive stages that graph extraction put in the same block: ``(block, first, last)``."""
+    out: list[tuple[str, int, int]] = []
+    for i, (_, m) in enumerate(stages):
+        group = getattr(m, "group", None)
+        if group is None:
+            continue
+        if out and out[-1][0] == group and out[-1][2] == i - 1:
+            out[-1] = (group, out[-1][1], i)
+        else:
+            out.append((group, i, i))
+    return out
+
+
+def _shared(identity: list[list[int]], sizes: dict[int, int]) -> list[tuple[int, int, int]]:
+    """``(first, last, bytes)`` for every tensor found in more than one consecutive boundary value."""
+    seen: dict[int, list[int]] = {}
+    for i, ids in enumerate(identity):
+        for j in dict.fromkeys(ids):
+            seen.setdefault(j, []).append(i)
+    return [(at[0], at[-1], sizes[j]) for j, at in seen.items() if len(at) > 1 and sizes[j] > 0]
+
+
 def _leaves(obj: Any) -> Any:
     """Detached tensors sharing storage with ``obj``'s, requiring grad where the originals did (new leaves)."""
     return map_tensors(obj, lambda t: t.detach().requires_grad_(t.requires_grad))

@@ -86,7 +86,16 @@ def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | in
         )
     stages = _fuse_marked(stages, [_declares_inplace(m) for _, m in stages])
     if sample_input is not None:
-        reproduces, inplace = _check_stages(model, stages, sample_input, compare=kind == "duck")
+        try:
+            reproduces, inplace = _check_stages(model, stages, sample_input, compare=kind == "duck")
+        except ProfileError as e:
+            if kind != "duck":
+                raise
+            # The attribute layout matched but running it does not (torchvision's SqueezeNet: features, then a
+            # classifier that expects a 4-D input): the model's own graph decides. A bad input fails there too.
+            return _extract(model, sample_input, granularity,
+                            why=f"it looks like a torchvision {type(model).__name__} but running that layout "
+                                f"failed ({e.__cause__ or e})")
         if not reproduces:
             return _extract(model, sample_input, granularity,
                             why=f"it looks like a torchvision {type(model).__name__} but its forward() differs")

@@ -1,0 +1,134 @@
+"""Benchmark ``transformers``: transformer chains at module and sub-layer granularity against the baselines that
+transformer users run, on the CPU.
+
+Models (random weights, train mode): nanoGPT (``hcv.models.nanogpt``, traced by torch.fx) and Hugging Face GPT-2,
+LLaMA and BERT built from their default configs, shrunk to ``--layers`` layers of width ``--hidden``, with eager
+attention (the attention probabilities are materialised, as in the issue's hand split). Per model and granularity:
+
+- stages, and the extraction wall time (tracing, analysis, the check against the model);
+- measured / predicted peak: the range over every schedule run (measured with ``hchain_viz.measure``, predicted
+  by ``simulate``);
+- the step-rate gain of the optimal schedule at equal **measured** memory over ``checkpoint_sequential`` at layer
+  granularity (``layer_periodic``), averaged over its Pareto-efficient segment counts (``n`` that use as much
+  measured memory as another and are slower are left out), over full per-layer recomputation at its measured peak,
+  and over Megatron's selective recomputation at its measured peak ("n/a" where the optimal schedule has no point
+  at or under that peak).
+
+Every strategy is a Schedule run by the same executor (``hcv.wrap``); step times are medians of ``--rounds``
+interleaved rounds (a warm-up round first, shuffled order each round).
+
+    python -m hchain_viz bench transformers [--models nanogpt,gpt2,llama,bert] [--layers 4] [--hidden 128]
+                                            [--seq 128] [--batch 4] [--rounds 3] [--threads 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import positive_int, print_table
+
+ALL = ("nanogpt", "gpt2", "llama", "bert")
+GRANULARITIES = ("module", "sublayer")
+
+
+def run(args: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="hchain_viz bench transformers", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(ALL), help="comma-separated, from: " + ", ".join(ALL))
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--hidden", type=positive_int, default=128)
+    parser.add_argument("--seq", type=positive_int, default=128)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds (median taken)")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
+    opts = parser.parse_args(args)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    print(f"transformers benchmark: torch {torch.__version__}, cpu, {torch.get_num_threads()} threads, "
+          f"{opts.layers} layers of width {opts.hidden}, batch {opts.batch} x {opts.seq} tokens, eager attention; "
+          f"step times: median of {opts.rounds} interleaved rounds")
+    head = ("model", "granularity", "stages", "extract", "measured/predicted peak", "vs ckpt_seq (Pareto n/all)",
+            "vs per-layer", "vs selective")
+    rows = []
+    for name in (n.strip() for n in opts.models.split(",") if n.strip()):
+        if name not in ALL:
+            raise SystemExit(f"unknown model {name!r}; choose from {', '.join(ALL)}")
+        for granularity in GRANULARITIES:
+            model, x, loss_fn = _build(name, opts)
+            rows.append((name, granularity, *_bench(model, x, loss_fn, granularity, opts)))
+            print_table(head, rows[-1:], left=2)  # progress: one line per row as it is done
+    print()
+    print_table(head, rows, left=2)
+
+
+def _build(name: str, opts: Any) -> tuple[nn.Module, Any, Any]:
+    from ..runtime import models
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if name == "nanogpt":
+            return models.nanogpt(batch=opts.batch, seq=opts.seq, dim=opts.hidden, heads=4, layers=opts.layers)
+        return models.hf_model(name, batch=opts.batch, seq=opts.seq, layers=opts.layers, hidden=opts.hidden, heads=4,
+                               vocab=256, attn_implementation="eager")
+
+
+def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) -> tuple:
+    from ..core.simulate import simulate
+    from ..core.solver import solve
+    from ..core.strategies import layer_periodic, per_layer, selective
+    from ..runtime.graph import extract_stages
+    from ..runtime.measure import fresh_copy, measure
+    from ..runtime.profile import profile
+    from ..runtime.wrap import wrap
+    from . import pareto_efficient
+    from .train import _interleaved_times
+
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        start = time.perf_counter()
+        stages = extract_stages(model, x, granularity=granularity)
+        seconds = time.perf_counter() - start
+    chain = profile(stages, x, loss_fn, progress=False)
+    sol = solve(chain)
+    layers = len(chain.groups)
+    units = chain.length - sum(b - a for _, a, b in chain.groups)
+    ckpt = [layer_periodic(chain, n) for n in range(1, units + 1)]
+    full, sel = per_layer(chain), selective(chain) if "attn_core" in chain.tags else None
+    baselines = ckpt + [full] + ([sel] if sel is not None else [])
+    lo, hi = sol.min_budget, sol.store_all_peak
+    budgets = {lo + (hi - lo) * k // 4 for k in range(5)}
+    budgets |= {simulate(chain, s).peak_memory for s in baselines if lo <= simulate(chain, s).peak_memory <= hi}
+    optimal = [sol.schedule(b) for b in sorted(budgets)]
+    schedules = baselines + optimal
+    seq = nn.Sequential(*[m for _, m in stages])  # wrap and checkpoint_sequential take a module
+    modules = [wrap(seq, s) for s in schedules]
+    peaks = [measure(m, x, loss_fn, repeats=1).peak_bytes for m in modules]
+    ratios = [p / simulate(chain, s).peak_memory for p, s in zip(peaks, schedules)]
+    times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
+    for p in model.parameters():
+        p.grad = None
+    opt = list(zip(peaks[len(baselines):], times[len(baselines):]))
+
+    def gain(peak: int, t: float) -> float | None:
+        fits = [o_time for o_peak, o_time in opt if o_peak <= peak]
+        return t / min(fits) - 1.0 if fits else None
+
+    n = len(ckpt)
+    points = list(zip(peaks[:n], times[:n]))
+    gains = [(gain(p, t), keep) for (p, t), keep in zip(points, pareto_efficient(points))]
+    kept = [g for g, keep in gains if keep and g is not None]
+    every = [g for g, _ in gains if g is not None]
+    vs_ckpt = (f"{100 * statistics.mean(kept):+.1f}% ({len(kept)}/{len(every)}; all n: "
+               f"{100 * statistics.mean(every):+.1f}%)" if kept else "n/a")
+    g_full = gain(peaks[n], times[n])
+    g_sel = gain(peaks[n + 1], times[n + 1]) if sel is not None else None
+    pct = lambda g: "n/a" if g is None else f"{100 * g:+.1f}%"  # noqa: E731
+    return (f"{chain.length} ({layers} layers)", f"{seconds:.2f} s", f"{min(ratios):.2f}-{max(ratios):.2f}",
+            vs_ckpt, pct(g_full), pct(g_sel))
