@@ -1,0 +1,305 @@
+"""Recompute or offload (DESIGN §9): schedules that mix recomputation with copies to host memory.
+
+``solve(chain, offload=True)`` (or :func:`solve_offload`) returns an :class:`OffloadSolution`: for each budget, the
+fastest schedule this module finds among remat-only optima and those optima with ``Off``/``Pre`` pairs added.
+
+The algorithm is a heuristic judged by the simulator, not an exact DP. Why: the exact problem is NP-hard in general
+(Beaumont, Eyraud-Dubois, Shilova 2021); their DP is exact only on a coarse time/memory grid and is cubic in memory,
+which would not answer a budget slider within 100 ms at L = 50. What it does, for a budget ``B``:
+
+1. Candidates are remat-only optimal schedules at budgets ``B' >= B`` (the remat frontier's breakpoints, a few dozen
+   at most): each is faster than the optimum at ``B`` but may peak above ``B``.
+2. *Fit by offload*: the excess of each op over ``B`` is covered greedily. A value (x̄_{i+1} left by ``Fall(i)``, or
+   a checkpoint x_i kept by ``Fck(i)``) that sits unused between two of its uses can go to the host in between:
+   ``Off(i)`` right after the first use, ``Pre(i)`` as late as the link allows it to arrive before the second use
+   (copy time ``bytes / bandwidth``, measured against the simulated compute times). Each pick covers the ops that run
+   while the value is on the host; the op with the largest remaining excess is covered first, by the largest value
+   idle across it whose copies hide behind compute (a copy that would make compute wait is a last resort).
+3. The simulator judges: the fitted schedule is replayed (transfer channels, idle waits, frees at copy completion);
+   if its peak still exceeds ``B`` the cover is repeated on the replayed times, a few rounds at most.
+4. The answer is the fastest simulated candidate within ``B``, or the remat-only optimum at ``B`` when nothing beats
+   it: by construction never slower than remat-only, and every answer has been simulated.
+
+Budgets are answered from a precomputed grid (``grid`` budgets between half the remat-only least budget and the
+store-all peak): the answer at ``b`` is the better of the remat-only optimum at ``b`` and the grid answer at the
+largest grid budget ``<= b``. How far from the exhaustive optimum this lands on small chains is measured in
+tests/test_offload.py and in the notes of issue 15.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import HChainError, InfeasibleBudget
+from .chain import Chain
+from .schedule import Op, Schedule
+from .simulate import Trace, simulate
+from .units import format_bytes, format_time
+
+__all__ = ["OffloadSolution", "solve_offload", "fit_by_offload"]
+
+_ROUNDS = 4  # cover-and-replay rounds per candidate before giving up on it
+_CANDIDATES = 24  # remat-only schedules tried per budget (the fastest first)
+
+
+def fit_by_offload(chain: Chain, schedule: Schedule, budget: int) -> Schedule | None:
+    """``schedule`` (remat-only) with ``Off``/``Pre`` pairs added so that its simulated peak is at most ``budget``
+    bytes, or None when the greedy cover finds none. Needs ``chain.bandwidth``."""
+    base = [op for op in schedule.ops if not op.is_transfer]
+    trace = simulate(chain, Schedule(tuple(base)))
+    if trace.peak_memory <= budget:
+        return schedule
+    chosen: list[tuple[int, int, Op, Op]] = []  # (off position, pre position, Off op, Pre op) in base indices
+    for _ in range(_ROUNDS):
+        picks = _cover(chain, base, trace, budget, chosen)
+        if picks is None or picks == chosen:
+            return None
+        chosen = picks
+        candidate = _merge(base, chosen, schedule.meta)
+        trace = simulate(chain, candidate)
+        if trace.peak_memory <= budget:
+            return candidate
+    return None
+
+
+def _uses(base: list[Op]) -> dict[tuple[str, int], list[list[int]]]:
+    """For each offloadable value, the op indices that use it, one list per lifetime: x̄_{i+1} (key ``xbar``, i) is
+    used by its ``Fall(i)``, by forwards and the backward of stage i+1 (they read x_{i+1} inside it) and by ``B(i)``;
+    a checkpoint x_i (key ``x``, i), from the ``Fck(i)`` that keeps it, by forwards of stage i and ``B(i)``."""
+    live: dict[tuple[str, int], list[int]] = {}
+    out: dict[tuple[str, int], list[list[int]]] = {}
+    for k, (kind, i) in enumerate(base):
+        if kind == "Loss":
+            continue
+        if ("xbar", i - 1) in live:  # stage i reads x_i inside x̄_i
+            live[("xbar", i - 1)].append(k)
+        elif kind != "B":
+            if ("x", i) in live:
+                live[("x", i)].append(k)
+            elif kind == "Fck" and i > 0:  # keeps x_i as a checkpoint until B(i)
+                live[("x", i)] = [k]
+        if kind == "Fall":
+            live[("xbar", i)] = [k]
+        if kind == "B":
+            for key in (("xbar", i), ("x", i)):
+                if key in live:
+                    uses = live.pop(key)
+                    if uses[-1] != k:
+                        uses.append(k)
+                    out.setdefault(key, []).append(uses)
+    return out
+
+
+def _cover(chain: Chain, base: list[Op], trace: Trace, budget: int,
+           chosen: list[tuple[int, int, Op, Op]]) -> list[tuple[int, int, Op, Op]] | None:
+    """Greedy cover of the excess of ``trace`` over ``budget`` by Off/Pre pairs (positions in base indices): new
+    pairs, or already chosen ones whose Pre moves later. Returns the new list of pairs, or None when some op's excess
+    cannot be covered."""
+    compute = [e for e in trace.events if not e.is_transfer]  # one per base op, in order
+    start = np.array([e.start for e in compute])
+    end = np.array([e.end for e in compute])
+    excess = np.array([e.mem_peak - budget for e in compute], np.int64)
+    bw = chain.bandwidth
+    # One entry per gap between two uses of a value: [size, copy time, Off position, next use b, first op covered
+    # (starts after the Off can have completed), latest Pre position that still hides the copy, chosen Pre or 0, stage]
+    gaps: list[list] = []
+    for key, lifetimes in _uses(base).items():
+        kind, i = key
+        size = chain.xbar[i] if kind == "xbar" else chain.x[i]
+        if kind == "xbar" and i == chain.length - 1:
+            size -= chain.x[-1]  # the held output stays on the device
+        if size <= 0:
+            continue
+        copy = size / bw
+        for uses in lifetimes:
+            for a, b in zip(uses, uses[1:]):
+                if b - a < 2 or (kind == "x" and base[a].kind == "Fall"):
+                    continue  # nothing in between; or x̄_{i+1} is resident too, and Off(i) would move that
+                first = max(a + 1, int(np.searchsorted(start, end[a] + copy, side="left")))
+                q = b  # Pre before base op q starts when op q - 1 ends: as late as still arrives before b starts
+                while q - 1 > a and end[q - 1] + copy > start[b]:
+                    q -= 1
+                if first < b:
+                    gaps.append([size, copy, a + 1, b, first, q, 0, i])
+    for lo, hi, off, _ in chosen:  # pairs from earlier rounds: the same gaps, already chosen
+        for g in gaps:
+            if g[2] == lo and g[7] == off.stage and g[3] >= hi:
+                g[6] = hi
+                excess[g[4]:hi] -= g[0]
+    while (excess > 0).any():
+        k = int(np.argmax(excess))
+        best, best_score = None, None
+        for g in gaps:
+            size, copy, lo, b, first, q_hide, q, i = g
+            if not first <= k < b or q > k:
+                continue
+            if not q and any(h[6] and h[7] == i and h[2] < b and lo < h[6] for h in gaps):
+                continue  # one value of a stage on the host at a time
+            new_q = max(q_hide, k + 1)
+            idle = max(0.0, end[new_q - 1] + copy - start[b])
+            score = (idle, -size)
+            if best_score is None or score < best_score:
+                best, best_score = g, score
+        if best is None:
+            return None
+        new_q = max(best[5], k + 1)
+        excess[max(best[4], best[6]):new_q] -= best[0]
+        best[6] = new_q
+    return [(g[2], g[6], Op("Off", g[7]), Op("Pre", g[7])) for g in gaps if g[6]]
+
+
+def _merge(base: list[Op], chosen: list[tuple[int, int, Op, Op]], meta: dict) -> Schedule:
+    """The base ops with each Off inserted before base op ``lo`` and each Pre before base op ``hi``."""
+    inserts: dict[int, list[Op]] = {}
+    for lo, hi, off, pre in sorted(chosen, key=lambda c: (c[0], c[1])):
+        inserts.setdefault(lo, []).append(off)
+        inserts.setdefault(hi, []).append(pre)
+    ops: list[Op] = []
+    for k, op in enumerate(base):
+        extra = inserts.get(k, [])
+        ops += [o for o in extra if o.kind == "Pre"] + [o for o in extra if o.kind == "Off"]
+        ops.append(op)
+    return Schedule(tuple(ops), dict(meta))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------------------------
+class OffloadSolution:
+    """The fastest schedule found mixing recomputation and offloading, for every budget (DESIGN §9).
+
+    Attributes: ``chain`` (with its ``bandwidth``), ``remat`` (the remat-only :class:`~hchain_viz.Solution` it builds
+    on), ``grid`` (the precomputed budgets, bytes, increasing), ``min_budget`` (least budget with an answer),
+    ``max_budget``, ``store_all_peak``. ``makespan(b)`` / ``schedule(b)`` answer any budget from the grid and the
+    remat-only table (no solving); ``frontier()`` gives the remat+offload curve beside ``remat.frontier()``.
+    """
+
+    def __init__(self, chain: Chain, remat: Any, grid: list[int], answers: list[tuple[float, Schedule] | None]):
+        self.chain = chain
+        self.remat = remat
+        self.max_budget = remat.max_budget
+        self.store_all_peak = remat.store_all_peak
+        self._grid = np.asarray(grid, np.int64)
+        self._answers = answers
+        mins = [g for g, a in zip(grid, answers) if a is not None]
+        cands = [b for b in (mins[0] if mins else None, remat.min_budget) if b is not None]
+        self.min_budget: int | None = min(cands) if cands else None
+
+    @property
+    def grid(self) -> list[int]:
+        return self._grid.tolist()
+
+    def _grid_answer(self, budget: int) -> tuple[float, Schedule] | None:
+        k = int(np.searchsorted(self._grid, budget, side="right")) - 1
+        best = None
+        for j in range(k, -1, -1):  # the grid answer at g <= budget fits in budget; later grid points are faster
+            a = self._answers[j]
+            if a is not None:
+                best = a
+                break
+        return best
+
+    def makespan(self, budget: int | str) -> float:
+        """Least makespan found (seconds, simulated) within ``budget`` bytes; ``inf`` when nothing fits."""
+        from .solver import _read_bytes
+
+        b = _read_bytes(budget)
+        remat = self.remat.makespan(b)
+        a = self._grid_answer(b)
+        return min(remat, a[0]) if a is not None else remat
+
+    def schedule(self, budget: int | str) -> Schedule:
+        """The fastest schedule found within ``budget`` bytes (remat-only when offloading does not help there).
+        Raises :class:`InfeasibleBudget` when none fits."""
+        from .solver import _read_bytes
+
+        b = _read_bytes(budget)
+        a = self._grid_answer(b)
+        remat_t = self.remat.makespan(b)
+        if a is not None and a[0] < remat_t:
+            s = a[1]
+            return Schedule(s.ops, {**s.meta, "strategy": "optimal+offload", "budget": b,
+                                    "bandwidth": self.chain.bandwidth, "predicted_makespan": a[0]})
+        if math.isinf(remat_t):
+            least = self.min_budget
+            raise InfeasibleBudget(
+                f"no schedule found within {b} B ({format_bytes(b)}), even with offloading at "
+                f"{format_bytes(self.chain.bandwidth)}/s; the least budget with an answer is "
+                f"{least} B ({format_bytes(least or 0)})", min_budget=least, budget=b)
+        s = self.remat.schedule(b)
+        return Schedule(s.ops, {**s.meta, "strategy": "optimal+offload", "offloads": 0})
+
+    def frontier(self) -> list[tuple[int, float]]:
+        """Breakpoints ``(budget, makespan)`` of the remat+offload curve (budgets increasing, makespans strictly
+        decreasing), over the grid and the remat-only breakpoints."""
+        budgets = sorted(set(self.grid) | {b for b, _ in self.remat.frontier()})
+        points, last = [], math.inf
+        for b in budgets:
+            t = self.makespan(b)
+            if t < last * (1 - 1e-12):
+                points.append((int(b), float(t)))
+                last = t
+        return points
+
+    def __repr__(self) -> str:
+        rows = []
+        for b, t in self.frontier()[:: max(1, len(self.frontier()) // 12)]:
+            r = self.remat.makespan(b)
+            remat = format_time(r) if r < math.inf else "-"
+            rows.append(f"{format_bytes(b):>12}  {format_time(t):>10}  remat-only {remat:>10}")
+        return (f"OffloadSolution: {self.chain.length} stages, link {format_bytes(self.chain.bandwidth)}/s each way, "
+                f"{len(self._grid)} grid budgets, least {format_bytes(self.min_budget or 0)}\n" + "\n".join(rows))
+
+
+def solve_offload(chain: Chain, max_budget: int | str | None = None, slots: int = 500,
+                  grid: int | Sequence[int] = 32, remat: Any = None) -> OffloadSolution:
+    """Solve ``chain`` for remat + offload at ``grid`` budgets (see the module docstring for the algorithm).
+
+    ``chain.bandwidth`` must be set (``chain.with_bandwidth("pcie5")``). ``grid``: how many budgets to precompute
+    (evenly spaced from half the remat-only least budget to the store-all peak), or the budgets themselves (bytes).
+    ``remat``: a remat-only Solution of this chain to build on (default: ``solve(chain, max_budget, slots)``).
+    """
+    from .solver import _check_chain, solve
+
+    chain = _check_chain(chain)
+    if chain.bandwidth is None:
+        raise HChainError("offloading needs the device-host bandwidth: use chain.with_bandwidth('pcie5') (presets: "
+                          "pcie4, pcie5, nvlink-c2c) or a number of bytes/s")
+    if remat is None:
+        remat = solve(chain, max_budget, slots)
+    top = min(remat.store_all_peak, remat.max_budget)
+    if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool) and grid >= 2:
+        low = max(1, (remat.min_budget or top) // 2)
+        budgets = sorted(set(np.linspace(low, top, int(grid)).astype(np.int64).tolist()))
+    elif isinstance(grid, Sequence) and grid and all(isinstance(b, (int, np.integer)) and b > 0 for b in grid):
+        budgets = sorted({int(b) for b in grid})
+    else:
+        raise HChainError(f"grid must be an integer >= 2 (how many budgets to precompute) or a list of budgets in "
+                          f"bytes, got {grid!r}")
+    # Remat-only candidates: the frontier's breakpoints, fastest first (their makespan bounds what offloading them
+    # can reach, so the search stops once a candidate cannot beat the best found).
+    front = remat.frontier()
+    if len(front) > _CANDIDATES:
+        pick = np.unique(np.linspace(0, len(front) - 1, _CANDIDATES).round().astype(int))
+        front = [front[k] for k in pick]
+    cands = [(t, remat.schedule(b)) for b, t in reversed(front)]
+    answers: list[tuple[float, Schedule] | None] = []
+    for b in budgets:
+        best_t = remat.makespan(b)
+        best = None
+        for t, s in cands:
+            if t >= best_t * (1 - 1e-12):
+                break
+            fitted = fit_by_offload(chain, s, b)
+            if fitted is None:
+                continue
+            tr = simulate(chain, fitted)
+            if tr.peak_memory <= b and tr.makespan < best_t:
+                best_t, best = tr.makespan, fitted
+        answers.append(None if best is None else (best_t, Schedule(best.ops, {"strategy": "optimal+offload",
+                                                                             "grid_budget": int(b)})))
+    return OffloadSolution(chain, remat, budgets, answers)
