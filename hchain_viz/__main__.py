@@ -3,7 +3,7 @@
 - ``demo``: profile the default demo model, print a summary table, write a standalone HTML explorer.
 - ``profile MODEL``: profile a built-in model (``resnet_chain``) or ``module:function`` and write a Chain JSON.
 - ``solve CHAIN.json``: print the time-vs-memory frontier and write the optimal schedule JSON for ``--budget``.
-- ``bench NAME``: run a benchmark (solver, profile, train, widget, models) and print its table.
+- ``bench NAME``: run a benchmark (solver, profile, train, widget, models, offload) and print its table.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@
 - ``train``: optimal schedules vs PyTorch's checkpoint_sequential at equal measured memory.
 - ``widget``: server-side time of one explorer budget change.
 - ``models``: automatic chain extraction on real architectures.
+- ``offload``: remat-only vs remat+offload makespans at three links, in simulation (GPU-like times).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-BENCHMARKS = ("solver", "profile", "train", "widget", "models")
+BENCHMARKS = ("solver", "profile", "train", "widget", "models", "offload")
 
 
 def print_table(head: Sequence[object], rows: Sequence[Sequence[object]], *, left: int = 0, rule: bool = False) -> None:

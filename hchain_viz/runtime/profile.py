@@ -30,6 +30,7 @@ from torch import nn
 
 from ..core.chain import Chain
 from ..errors import NotSequentialError, ProfileError
+from . import roofline
 from .measure import (
     LossFn,
     _shapes,
@@ -49,7 +50,7 @@ __all__ = ["profile"]
 
 def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5,
-            progress: bool = True) -> Chain:
+            progress: bool = True, estimate_for: str | None = None) -> Chain:
     """Measure ``model`` stage by stage on ``sample_input`` and return its :class:`Chain`.
 
     ``model``: an ``nn.Sequential`` (nested ones flattened), a list of modules or ``(name, module)`` pairs, or any
@@ -59,6 +60,10 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     output). ``device``: where to run (default: the model's device); the model must already be there.
     ``progress``: show a tqdm bar while profiling takes more than a moment.
 
+    ``estimate_for="H100"`` (or ``"A100"``, ``"H200"``): replace the measured times by a roofline *estimate* for that
+    GPU from each stage's FLOP and byte counts (:mod:`~hchain_viz.runtime.roofline`); sizes stay measured.
+    ``meta["times"]`` says "estimate" and ``meta["measured_fwd_time"]`` / ``["measured_bwd_time"]`` keep the real ones.
+
     ``Chain.meta`` records the device, dtype, ``param_bytes`` (parameters plus their gradients, reported beside the
     budget, not in it), model class, input shape, torch version and the profiling settings.
     """
@@ -66,6 +71,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         raise ProfileError(f"warmup must be a non-negative integer, got {warmup!r}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ProfileError(f"repeats must be a positive integer, got {repeats!r}")
+    gpu = None if estimate_for is None else roofline.gpu_of(estimate_for)
     modules = [model] if isinstance(model, nn.Module) else [m for _, m in sequentialize(model)]
     dev = resolve_device(modules, sample_input, device)
     sample_input = to_device(sample_input, dev)
@@ -78,6 +84,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
 
     L = len(stages)
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
+    counts: list[tuple[int, int, int, int]] = []  # per stage, for estimate_for: fwd/bwd FLOPs and bytes
     bar = tqdm(total=L, desc="profiling", unit="stage", disable=not progress, delay=0.5, leave=False)
     with preserved_state(modules + [m for _, m in stages], dev), bar:
         h = _leaves(sample_input)
@@ -87,6 +94,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             r.run(warmup, repeats)
             fwd[i], bwd[i], xs[i + 1], xbar[i], ftmp[i], btmp[i] = (r.fwd_time, r.bwd_time, r.out_bytes, r.xbar,
                                                                    r.fwd_tmp, r.bwd_tmp)
+            if gpu is not None:
+                counts.append(r.counts())
             h = r.next_input
             bar.update(1)
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
@@ -104,6 +113,12 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         "memory": "cuda memory stats" if dev.type == "cuda" else "allocation tracker",
         "loss": "default (mean of squares)" if loss_fn is default_loss else repr(loss_fn),
     }
+    if gpu is not None:
+        meta.update(measured_fwd_time=fwd, measured_bwd_time=bwd, estimate_for=gpu.name,
+                    times=f"estimate: roofline for {gpu.name} from FLOP and byte counts (not measured)",
+                    flops=[[f, b] for f, b, _, _ in counts])
+        fwd = [roofline.estimate_time(gpu, meta["dtype"], f, n) for f, _, n, _ in counts]
+        bwd = [roofline.estimate_time(gpu, meta["dtype"], b, n) for _, b, _, n in counts]
     return Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
                  names=[n for n, _ in stages], meta=meta)
 
@@ -142,6 +157,20 @@ class _StageProfile:
                 bt.append(b)
         self.fwd_time, self.bwd_time = statistics.median(ft), statistics.median(bt)
         self._memory()
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """Forward FLOPs, backward FLOPs, and the bytes each must at least move (for the roofline estimate): the
+        forward reads its input and parameters and writes what it leaves (x̄); the backward reads x̄, its input, the
+        output gradient and the parameters, and writes the input and parameter gradients."""
+        inp = self._input()
+        box: list[Any] = []
+        f = roofline.count_flops(lambda: box.append(self._forward(inp)))
+        diff = [t for t in tensors(box[0]) if t.requires_grad]
+        b = roofline.count_flops(lambda: torch.autograd.backward(diff, self.grads)) if diff else 0
+        self._clear_input_grads()
+        params = nbytes(list(self.stage.parameters()))
+        return (f, b, self.in_bytes + params + self.xbar,
+                self.xbar + 2 * self.in_bytes + self.out_bytes + 2 * params)
 
     def _timed_once(self) -> tuple[float, float]:
         """Seconds of one recording forward and of its backward (the graph and copies die on return)."""
