@@ -20,10 +20,10 @@ which would not answer a budget slider within 100 ms at L = 50. What it does, fo
 4. The answer is the fastest simulated candidate within ``B``, or the remat-only optimum at ``B`` when nothing beats
    it: by construction never slower than remat-only, and every answer has been simulated.
 
-Budgets are answered from a precomputed grid (``grid`` budgets between half the remat-only least budget and the
-store-all peak): the answer at ``b`` is the better of the remat-only optimum at ``b`` and the grid answer at the
-largest grid budget ``<= b``. How far from the exhaustive optimum this lands on small chains is measured in
-tests/test_offload.py and in the notes of issue 15.
+Budgets are answered from a precomputed grid (``grid`` budgets from half the remat-only least budget to the
+store-all peak, denser near the least budget): the answer at ``b`` is the better of the remat-only optimum at ``b``
+and the grid answer at the largest grid budget ``<= b``. How far from the exhaustive optimum this lands on small
+chains is measured in tests/test_offload.py and in the notes of issue 15.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from .units import format_bytes, format_time
 __all__ = ["OffloadSolution", "solve_offload", "fit_by_offload"]
 
 _ROUNDS = 4  # cover-and-replay rounds per candidate before giving up on it
-_CANDIDATES = 24  # remat-only schedules tried per budget (the fastest first)
+_NEAR, _FAR = 10, 8  # remat-only schedules tried per budget: the nearest breakpoints above it, then spread out
 
 
 def fit_by_offload(chain: Chain, schedule: Schedule, budget: int) -> Schedule | None:
@@ -255,12 +255,48 @@ class OffloadSolution:
                 f"{len(self._grid)} grid budgets, least {format_bytes(self.min_budget or 0)}\n" + "\n".join(rows))
 
 
+def _grid(remat: Any, top: int, n: int) -> list[int]:
+    """``n`` budgets up to ``top``: two below the remat-only least budget (offloading may reach them), the rest
+    from it to ``top``, denser near it, where recomputation costs most and offloading has the most to win."""
+    least = remat.min_budget or top
+    u = np.linspace(0.0, 1.0, max(n - 2, 2))
+    budgets = [least // 2, (3 * least) // 4] + (least + (top - least) * u ** 1.5).astype(np.int64).tolist()
+    return sorted({max(1, int(b)) for b in budgets})
+
+
+def _candidates(remat: Any, budget: int) -> list[tuple[float, int]]:
+    """Remat-only frontier breakpoints above ``budget`` to start from, fastest first: the nearest ones densely (they
+    need the least offloading), farther ones sparsely."""
+    above = [(t, b) for b, t in remat.frontier() if b > budget]
+    near, far = above[:_NEAR], above[_NEAR:]
+    if len(far) > _FAR:
+        far = [far[k] for k in np.unique(np.linspace(0, len(far) - 1, _FAR).round().astype(int))]
+    return sorted(near + far)
+
+
+def _best_at(chain: Chain, remat: Any, budget: int) -> tuple[float, Schedule] | None:
+    """The fastest simulated offload schedule within ``budget`` found from the candidates, if it beats remat-only."""
+    best_t, best = remat.makespan(budget), None
+    for t, b in _candidates(remat, budget):
+        if t >= best_t * (1 - 1e-12):
+            break  # offloading never makes a schedule faster than its remat-only time
+        fitted = fit_by_offload(chain, remat.schedule(b), budget)
+        if fitted is None:
+            continue
+        tr = simulate(chain, fitted)
+        if tr.peak_memory <= budget and tr.makespan < best_t:
+            best_t, best = tr.makespan, fitted
+    if best is None:
+        return None
+    return best_t, Schedule(best.ops, {"strategy": "optimal+offload", "solved_budget": int(budget)})
+
+
 def solve_offload(chain: Chain, max_budget: int | str | None = None, slots: int = 500,
                   grid: int | Sequence[int] = 32, remat: Any = None) -> OffloadSolution:
     """Solve ``chain`` for remat + offload at ``grid`` budgets (see the module docstring for the algorithm).
 
     ``chain.bandwidth`` must be set (``chain.with_bandwidth("pcie5")``). ``grid``: how many budgets to precompute
-    (evenly spaced from half the remat-only least budget to the store-all peak), or the budgets themselves (bytes).
+    (see :func:`_grid`; each costs a few fits, ~0.1-0.5 s at L = 50), or the budgets themselves (bytes).
     ``remat``: a remat-only Solution of this chain to build on (default: ``solve(chain, max_budget, slots)``).
     """
     from .solver import _check_chain, solve
@@ -273,33 +309,11 @@ def solve_offload(chain: Chain, max_budget: int | str | None = None, slots: int 
         remat = solve(chain, max_budget, slots)
     top = min(remat.store_all_peak, remat.max_budget)
     if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool) and grid >= 2:
-        low = max(1, (remat.min_budget or top) // 2)
-        budgets = sorted(set(np.linspace(low, top, int(grid)).astype(np.int64).tolist()))
+        budgets = _grid(remat, top, int(grid))
     elif isinstance(grid, Sequence) and grid and all(isinstance(b, (int, np.integer)) and b > 0 for b in grid):
         budgets = sorted({int(b) for b in grid})
     else:
         raise HChainError(f"grid must be an integer >= 2 (how many budgets to precompute) or a list of budgets in "
                           f"bytes, got {grid!r}")
-    # Remat-only candidates: the frontier's breakpoints, fastest first (their makespan bounds what offloading them
-    # can reach, so the search stops once a candidate cannot beat the best found).
-    front = remat.frontier()
-    if len(front) > _CANDIDATES:
-        pick = np.unique(np.linspace(0, len(front) - 1, _CANDIDATES).round().astype(int))
-        front = [front[k] for k in pick]
-    cands = [(t, remat.schedule(b)) for b, t in reversed(front)]
-    answers: list[tuple[float, Schedule] | None] = []
-    for b in budgets:
-        best_t = remat.makespan(b)
-        best = None
-        for t, s in cands:
-            if t >= best_t * (1 - 1e-12):
-                break
-            fitted = fit_by_offload(chain, s, b)
-            if fitted is None:
-                continue
-            tr = simulate(chain, fitted)
-            if tr.peak_memory <= b and tr.makespan < best_t:
-                best_t, best = tr.makespan, fitted
-        answers.append(None if best is None else (best_t, Schedule(best.ops, {"strategy": "optimal+offload",
-                                                                             "grid_budget": int(b)})))
+    answers = [_best_at(chain, remat, b) for b in budgets]
     return OffloadSolution(chain, remat, budgets, answers)
