@@ -40,7 +40,7 @@ from .schedule import Op, Schedule
 from .simulate import Trace, simulate
 from .units import format_bytes, format_time
 
-__all__ = ["OffloadSolution", "solve_offload", "fit_by_offload"]
+__all__ = ["OffloadSolution", "solve_offload", "fit_by_offload", "default_grid_size"]
 
 _ROUNDS = 4  # cover-and-replay rounds per candidate before giving up on it
 _NEAR, _FAR = 10, 8  # remat-only schedules tried per budget: the nearest breakpoints above it, then spread out
@@ -255,6 +255,11 @@ class OffloadSolution:
                 f"{len(self._grid)} grid budgets, least {format_bytes(self.min_budget or 0)}\n" + "\n".join(rows))
 
 
+def default_grid_size(chain: Chain) -> int:
+    """Budgets precomputed by default: fine for short chains (cheap), coarser for long ones."""
+    return int(min(128, max(32, 2000 // chain.length)))
+
+
 def _grid(remat: Any, top: int, n: int) -> list[int]:
     """``n`` budgets up to ``top``: two below the remat-only least budget (offloading may reach them), the rest
     from it to ``top``, denser near it, where recomputation costs most and offloading has the most to win."""
@@ -292,11 +297,12 @@ def _best_at(chain: Chain, remat: Any, budget: int) -> tuple[float, Schedule] | 
 
 
 def solve_offload(chain: Chain, max_budget: int | str | None = None, slots: int = 500,
-                  grid: int | Sequence[int] = 32, remat: Any = None) -> OffloadSolution:
+                  grid: int | Sequence[int] | None = None, remat: Any = None) -> OffloadSolution:
     """Solve ``chain`` for remat + offload at ``grid`` budgets (see the module docstring for the algorithm).
 
     ``chain.bandwidth`` must be set (``chain.with_bandwidth("pcie5")``). ``grid``: how many budgets to precompute
-    (see :func:`_grid`; each costs a few fits, ~0.1-0.5 s at L = 50), or the budgets themselves (bytes).
+    (see :func:`_grid`; each costs a few fits, ~0.1-0.5 s at L = 50; default: about 2000 / L, between 32 and 128),
+    or the budgets themselves (bytes).
     ``remat``: a remat-only Solution of this chain to build on (default: ``solve(chain, max_budget, slots)``).
     """
     from .solver import _check_chain, solve
@@ -308,6 +314,8 @@ def solve_offload(chain: Chain, max_budget: int | str | None = None, slots: int 
     if remat is None:
         remat = solve(chain, max_budget, slots)
     top = min(remat.store_all_peak, remat.max_budget)
+    if grid is None:
+        grid = default_grid_size(chain)
     if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool) and grid >= 2:
         budgets = _grid(remat, top, int(grid))
     elif isinstance(grid, Sequence) and grid and all(isinstance(b, (int, np.integer)) and b > 0 for b in grid):

@@ -574,13 +574,13 @@ def least_budget(chain: Chain) -> int:
 
 
 def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *, offload: bool = False,
-          grid: Any = 32) -> Solution:
+          grid: Any = None) -> Solution:
     """Solve ``chain`` for every budget up to ``max_budget`` at once.
 
     ``offload=True``: also offload to host memory over ``chain.bandwidth`` (DESIGN §9) and return an
     :class:`~hchain_viz.core.offload.OffloadSolution` with the same ``makespan`` / ``schedule`` / ``frontier``
-    methods, precomputed at ``grid`` budgets (see ``core/offload.py``: a heuristic judged by the simulator, never
-    slower than this remat-only optimum).
+    methods, precomputed at ``grid`` budgets (default ~2000 / L; see ``core/offload.py``: a heuristic judged by the
+    simulator, never slower than this remat-only optimum).
 
     ``max_budget``: bytes (int) or text like ``"300MiB"``; default the store-all peak, above which nothing gets
     faster. ``slots``: the memory resolution of the table (capped at ``max_budget``, which makes integer sizes
