@@ -27,6 +27,7 @@ from .core.solver import Solution, optimal_schedule, solve
 from .core.units import format_bytes, format_time, parse_bytes
 from .errors import (
     DependencyError,
+    DoesNotFit,
     HChainError,
     InfeasibleBudget,
     InvalidChain,
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 # Heavy parts (torch, plotly, ipywidgets) load on first attribute access, keeping `import hchain_viz` light.
 _LAZY = {
     "profile": ("runtime.profile", "profile"),
+    "profile_batches": ("runtime.batch", "profile_batches"),
     "measure": ("runtime.measure", "measure"),
     "Measurement": ("runtime.measure", "Measurement"),
     "sequentialize": ("runtime.stages", "sequentialize"),
@@ -56,7 +58,7 @@ __all__ = [
     "optimal_schedule", "strategies",
     "format_bytes", "format_time", "parse_bytes",
     "HChainError", "InvalidChain", "InvalidSchedule", "InfeasibleBudget", "NotSequentialError", "ProfileError",
-    "DependencyError", *_LAZY,
+    "DependencyError", "DoesNotFit", *_LAZY,
 ]
 
 

@@ -41,3 +41,8 @@ class ProfileError(HChainError, RuntimeError):
 
 class DependencyError(HChainError, ImportError):
     """An optional dependency (torch, plotly, ipywidgets, torchvision, ...) is missing."""
+
+
+class DoesNotFit(InfeasibleBudget):
+    """A training step does not fit a device's memory whatever the schedule; ``min_budget`` is the least device
+    memory (bytes, margin included) that fits (DESIGN §7)."""

@@ -11,12 +11,14 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidChain
+from .batch import BatchFit
+from .fixed import FixedMemory
 from .units import format_bytes, format_time
 
 CHAIN_FORMAT = "hchain-chain/1"
@@ -62,6 +64,11 @@ class Chain:
       autograd saved for its backward, not counting ``x[i]``. Always ``xbar[i] >= x[i+1]``.
     - ``fwd_tmp[i]`` / ``bwd_tmp[i]``: transient bytes above the resident set during the forward / backward.
     - ``names[i]``: a label (module name).
+    - ``fixed`` (optional): the memory no schedule changes — parameters, gradients, optimizer state, buffers and the
+      optimizer step's transient, with a sharding factor (:class:`~hchain_viz.core.fixed.FixedMemory`, DESIGN §7).
+      With it, ``simulate(...).device_peak`` predicts the whole step's device memory.
+    - ``batch_fit`` (optional): the fields as functions of the batch size (:class:`~hchain_viz.core.batch.BatchFit`),
+      so :meth:`at_batch` gives the chain at another batch size.
     - ``bandwidth``: bytes/s of the device–host link *each way* (for ``Off``/``Pre`` ops, DESIGN §9), or None when
       no link is modelled. The link is modelled full duplex: offloads and prefetches each have their own channel
       at this rate and never slow each other. Presets in :data:`BANDWIDTH_PRESETS`; see :meth:`with_bandwidth`.
@@ -91,6 +98,8 @@ class Chain:
     groups: tuple[tuple[str, int, int], ...] = ()
     tags: tuple[str, ...] = None  # type: ignore[assignment]  # default: "" for every stage
     shared: tuple[tuple[int, int, int], ...] = ()
+    fixed: FixedMemory | None = None
+    batch_fit: BatchFit | None = None
 
     def __post_init__(self) -> None:
         L = _length_of(self.fwd_time, "fwd_time")
@@ -125,6 +134,20 @@ class Chain:
         set_(self, "groups", _groups(self.groups, L))
         set_(self, "tags", _tags(self.tags, L))
         set_(self, "shared", _shared(self.shared, self.x))
+        if self.fixed is not None:
+            if not isinstance(self.fixed, FixedMemory):
+                raise InvalidChain(f"fixed must be a FixedMemory (or None), got {type(self.fixed).__name__}")
+            if len(self.fixed.stage_grads) != L:
+                raise InvalidChain(f"fixed.stage_grads has {len(self.fixed.stage_grads)} entries but the chain has "
+                                   f"{L} stages; give one gradient size per stage")
+        if self.batch_fit is not None:
+            if not isinstance(self.batch_fit, BatchFit):
+                raise InvalidChain(f"batch_fit must be a BatchFit (or None), got {type(self.batch_fit).__name__}")
+            lengths = {f: len(a) for f, a, _ in self.batch_fit.coef}
+            want = {"x": L + 1, "shared": len(self.shared)}
+            wrong = [f for f, n in lengths.items() if n != want.get(f, L)]
+            if wrong:
+                raise InvalidChain(f"batch_fit.coef has the wrong number of entries for {wrong} on a {L}-stage chain")
 
     # ------------------------------------------------------------------ basic facts
     @property
@@ -151,6 +174,25 @@ class Chain:
         """Makespan with no recomputation: every forward and every backward once."""
         return float(sum(self.fwd_time) + sum(self.bwd_time))
 
+    # ------------------------------------------------------------------ whole step (DESIGN §7)
+    @property
+    def batch(self) -> int | None:
+        """The batch size this chain is at, when it carries a batch-size fit."""
+        return None if self.batch_fit is None else self.batch_fit.batch
+
+    def at_batch(self, batch: int) -> Chain:
+        """This chain at another batch size, from its batch-size fit (see :mod:`hchain_viz.core.batch`)."""
+        from .batch import at_batch
+
+        return at_batch(self, batch)
+
+    def with_world_size(self, world_size: int) -> Chain:
+        """This chain with its fixed part sharded over ``world_size`` ranks (FSDP / ZeRO-3 style; DESIGN §7)."""
+        if self.fixed is None:
+            raise InvalidChain("this chain does not know its fixed memory; profile it with optimizer=... "
+                               "(hcv.profile(model, x, loss_fn, optimizer=opt)) before sharding it")
+        return replace(self, fixed=self.fixed.with_world_size(world_size))
+
     def with_bandwidth(self, bandwidth: float | str | None) -> Chain:
         """The same chain with a device–host link of ``bandwidth`` bytes/s each way, or a preset name from
         :data:`BANDWIDTH_PRESETS` (``"pcie4"``, ``"pcie5"``, ``"nvlink-c2c"``); None removes the link."""
@@ -171,6 +213,10 @@ class Chain:
             d["shared"] = [list(t) for t in self.shared]
         if self.meta:
             d["meta"] = self.meta
+        if self.fixed is not None:
+            d["fixed"] = self.fixed.to_dict()
+        if self.batch_fit is not None:
+            d["batch_fit"] = self.batch_fit.to_dict()
         return d
 
     def to_json(self, path: str | os.PathLike | None = None, *, indent: int | None = 1) -> str:
@@ -187,6 +233,8 @@ class Chain:
         return cls(
             fwd_time=d["fwd_time"], bwd_time=d["bwd_time"], x=d["x"], xbar=d["xbar"],
             fwd_tmp=d.get("fwd_tmp"), bwd_tmp=d.get("bwd_tmp"), names=d.get("names"), meta=d.get("meta", {}),
+            fixed=None if d.get("fixed") is None else FixedMemory.from_dict(d["fixed"]),
+            batch_fit=None if d.get("batch_fit") is None else BatchFit.from_dict(d["batch_fit"]),
             bandwidth=d.get("bandwidth"),
             groups=d.get("groups", ()), tags=d.get("tags"), shared=d.get("shared", ()),
         )
@@ -259,6 +307,10 @@ class Chain:
         line = lambda r: "  ".join(s.rjust(w) if c != 1 else s.ljust(w) for c, (s, w) in enumerate(zip(r, widths)))
         head = (f"Chain: {self.length} stages, store-all {format_time(self.store_all_time)}, "
                 f"activations {format_bytes(sum(self.xbar) + self.x[0])}")
+        if self.batch_fit is not None:
+            head += f", batch {self.batch_fit.batch}"
+        if self.fixed is not None:
+            head += f", fixed {self.fixed.describe()}"
         return "\n".join([head, line(self._HEAD)] + [line(r) for r in rows])
 
     def _repr_html_(self) -> str:

@@ -158,6 +158,15 @@ class Trace:
         return max([self.initial_memory] + [e.mem_peak for e in self.events])
 
     @property
+    def device_peak(self) -> int | None:
+        """The whole step's peak device memory per rank: the chain's fixed part (parameters, gradients as their
+        backwards create them, optimizer state, buffers) plus the activations, and the optimizer step's transient
+        (DESIGN §7; :func:`hchain_viz.core.device.device_peak`). None when the chain has no fixed part."""
+        from .device import device_peak
+
+        return device_peak(self)
+
+    @property
     def peak_index(self) -> int:
         """Index of the op at which the peak is reached (first such op)."""
         return int(np.argmax([e.mem_peak for e in self.events]))

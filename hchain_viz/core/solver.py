@@ -428,10 +428,24 @@ class Solution:
         s = self._best[self._slots_of(b)]
         return float(self._t[s]) if s >= 0 else math.inf
 
-    def schedule(self, budget: int | str) -> Schedule:
-        """The optimal schedule within ``budget`` bytes (budgets above ``max_budget`` are answered as
+    def schedule(self, budget: int | str | None = None, *, device_memory: int | str | None = None,
+                 margin: float = 0.05) -> Schedule:
+        """The optimal schedule within ``budget`` bytes of activations (budgets above ``max_budget`` are answered as
         ``max_budget``). Raises :class:`~hchain_viz.errors.InfeasibleBudget` (with ``.min_budget``) when none fits.
+
+        Or give ``device_memory`` (e.g. ``"24GiB"``) instead of ``budget``: the fastest schedule whose whole training
+        step — the chain's fixed part plus activations — fits that device after an allocator ``margin`` (a fraction
+        of it); see :func:`hchain_viz.core.device.device_schedule`. Raises
+        :class:`~hchain_viz.errors.DoesNotFit` naming the least device memory when nothing fits.
         """
+        if device_memory is not None:
+            if budget is not None:
+                raise HChainError("give either budget (activation bytes) or device_memory (the whole device), not both")
+            from .device import device_schedule
+
+            return device_schedule(self, device_memory, margin)
+        if budget is None:
+            raise HChainError("schedule() needs a budget (activation bytes, e.g. '300MiB') or device_memory=...")
         requested = _read_bytes(budget)
         b = min(requested, self.max_budget)
         meta = {"strategy": "optimal", "budget": requested, "slots": self.slots}

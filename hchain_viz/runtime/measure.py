@@ -55,6 +55,9 @@ class Measurement:
     - ``step_time``: median seconds of a step; ``step_times``: every timed step.
     - ``input_bytes``: x_0. ``baseline_bytes``: what was resident before the step (parameters, gradients, buffers,
       the input; on CUDA, everything the allocator holds for tensors on the device).
+    - ``device_peak``: everything resident at the step's peak — parameters, gradients, optimizer state, buffers, the
+      input and the activations (DESIGN §7); comparable to ``simulate(chain, schedule).device_peak``. With an
+      optimizer the step includes ``optimizer.step()`` and ``zero_grad()``.
     """
 
     peak_bytes: int
@@ -63,6 +66,7 @@ class Measurement:
     input_bytes: int
     baseline_bytes: int
     device: str
+    device_peak: int | None = None
 
     def __repr__(self) -> str:
         return (f"Measurement(peak {format_bytes(self.peak_bytes)}, step {format_time(self.step_time)} "
@@ -70,7 +74,8 @@ class Measurement:
 
 
 def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None, *,
-            device: str | torch.device | None = None, repeats: int = 3) -> Measurement:
+            device: str | torch.device | None = None, repeats: int = 3,
+            optimizer: torch.optim.Optimizer | None = None) -> Measurement:
     """Measure the peak memory and median time of ``loss_fn(module(sample_input)).backward()``.
 
     ``sample_input`` is passed as one argument (a tuple stays one tuple, as in ``nn.Sequential``); each step gets a
@@ -78,8 +83,13 @@ def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None,
     ``repeats`` timed steps; on the CPU the memory comes from one more step under an :class:`AllocationTracker`
     (tracking slows ops, so it is never timed), on CUDA from the allocator's statistics of the timed steps.
 
-    The module is left as found: parameters are never updated (no optimizer), and the buffers (BatchNorm
-    statistics), every parameter's ``.grad`` and the global RNG state (CPU and CUDA) are restored afterwards.
+    ``optimizer``: measure a whole training step — forward, backward, ``optimizer.step()``, ``optimizer.zero_grad()``
+    — in the steady state (the warm-up step creates the optimizer's state; gradients start each step freed, as
+    ``zero_grad()`` leaves them). The parameters' values and the optimizer's state are restored afterwards.
+
+    The module is left as found: parameters are never updated (without an optimizer nothing updates them; with one
+    they are put back), and the buffers (BatchNorm statistics), every parameter's ``.grad`` and the global RNG state
+    (CPU and CUDA) are restored afterwards.
     """
     if not isinstance(module, nn.Module):
         raise ProfileError(f"measure() needs an nn.Module, got {type(module).__name__}")
@@ -89,41 +99,60 @@ def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None,
     sample_input = to_device(sample_input, dev)
     loss_fn = default_loss if loss_fn is None else loss_fn
     input_bytes = nbytes(sample_input)
+    if optimizer is not None:
+        from .fixed import check_optimizer
+
+        check_optimizer(optimizer, list(module.parameters()))
 
     def step(x: Any) -> None:
         with user_code(lambda e: f"the {type(module).__name__} failed on the sample input ({type(e).__name__}: "
                                  f"{e}); check the input's shape, dtype and device against the model"):
             out = module(x)
-        loss_of(loss_fn, out).backward()
+        loss = loss_of(loss_fn, out)
+        loss.backward()
+        if optimizer is not None:  # `out` and `loss` are still held, as in a training loop
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def zero_grads() -> None:
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
 
     times: list[float] = []
-    with preserved_state([module], dev):
+    from .fixed import optimizer_state_tensors, training_state
+
+    with preserved_state([module], dev), training_state(list(module.parameters()), optimizer):
         params = [p for p in module.parameters() if p.requires_grad]
-        step(fresh_copy(sample_input))  # warm-up (lazy initialisation, caches); not measured
-        baseline = (torch.cuda.memory_allocated(dev) if dev.type == "cuda"
-                    else nbytes([*module.parameters(), *(p.grad for p in params), *module.buffers()])
-                    + input_bytes)
-        peak = 0
+        step(fresh_copy(sample_input))  # warm-up (lazy initialisation, caches, optimizer state); not measured
+        held = [*module.parameters(), *(p.grad for p in params if p.grad is not None), *module.buffers()]
+        if optimizer is not None:
+            held += optimizer_state_tensors(optimizer, dev)
+        baseline = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else nbytes(held) + input_bytes
+        peak = device_peak = 0
         for _ in range(repeats):
-            for p in params:
-                p.grad.zero_()
+            zero_grads()
             x = fresh_copy(sample_input)  # made before the meter starts: x_0 is counted once, as input_bytes
             if dev.type == "cuda":  # allocator statistics cost nothing: measure every timed step
+                torch.cuda.synchronize(dev)
+                before = torch.cuda.memory_allocated(dev)
                 with MemoryMeter(dev) as meter:
                     times.append(_timed(lambda x=x: step(x), dev))
                 peak = max(peak, meter.peak)
+                # everything allocated at the peak, less the fresh copy of the input (the caller's is counted)
+                device_peak = max(device_peak, before - input_bytes + meter.peak)
             else:
                 times.append(_timed(lambda x=x: step(x), dev))
             del x
         if dev.type != "cuda":  # tracking slows every op: one more step, untimed
-            for p in params:
-                p.grad.zero_()
+            zero_grads()
             x = fresh_copy(sample_input)
             with MemoryMeter(dev) as meter:
                 step(x)
             peak = meter.peak
+            device_peak = baseline + peak
     return Measurement(peak_bytes=input_bytes + peak, step_time=statistics.median(times), step_times=tuple(times),
-                       input_bytes=input_bytes, baseline_bytes=baseline, device=str(dev))
+                       input_bytes=input_bytes, baseline_bytes=baseline, device=str(dev), device_peak=device_peak)
 
 
 # ---------------------------------------------------------------------------------------------- shared helpers

@@ -31,6 +31,7 @@ from torch import nn
 from ..core.chain import Chain
 from ..errors import NotSequentialError, ProfileError
 from . import roofline
+from .fixed import check_optimizer, fixed_memory
 from .measure import (
     LossFn,
     _shapes,
@@ -50,7 +51,8 @@ __all__ = ["profile"]
 
 def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5,
-            progress: bool = True, estimate_for: str | None = None) -> Chain:
+            progress: bool = True, optimizer: torch.optim.Optimizer | None = None, world_size: int = 1,
+            estimate_for: str | None = None) -> Chain:
     """Measure ``model`` stage by stage on ``sample_input`` and return its :class:`Chain`.
 
     ``model``: an ``nn.Sequential`` (nested ones flattened), a list of modules or ``(name, module)`` pairs, or any
@@ -64,6 +66,12 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     GPU from each stage's FLOP and byte counts (:mod:`~hchain_viz.runtime.roofline`); sizes stay measured.
     ``meta["times"]`` says "estimate" and ``meta["measured_fwd_time"]`` / ``["measured_bwd_time"]`` keep the real ones.
 
+    ``optimizer``: the training step's real optimizer, built on ``model``'s parameters. With it, ``Chain.fixed``
+    records the memory no schedule changes — parameters, their gradients, the optimizer's state and its step's
+    transient (measured by two real steps on zero gradients, undone afterwards), buffers — so that
+    ``simulate(...).device_peak`` and ``solution.schedule(device_memory=...)`` answer for the whole step (DESIGN §7).
+    ``world_size``: the number of ranks sharding parameters, gradients and optimizer state (FSDP / ZeRO-3).
+
     ``Chain.meta`` records the device, dtype, ``param_bytes`` (parameters plus their gradients, reported beside the
     budget, not in it), model class, input shape, torch version and the profiling settings.
     """
@@ -73,6 +81,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         raise ProfileError(f"repeats must be a positive integer, got {repeats!r}")
     gpu = None if estimate_for is None else roofline.gpu_of(estimate_for)
     modules = [model] if isinstance(model, nn.Module) else [m for _, m in sequentialize(model)]
+    if optimizer is not None:  # before the long part: a wrong optimizer fails fast
+        check_optimizer(optimizer, [p for m in modules for p in m.parameters()])
     dev = resolve_device(modules, sample_input, device)
     sample_input = to_device(sample_input, dev)
     stages = sequentialize(model, sample_input)
@@ -119,8 +129,12 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
                     flops=[[f, b] for f, b, _, _ in counts])
         fwd = [roofline.estimate_time(gpu, meta["dtype"], f, n) for f, _, n, _ in counts]
         bwd = [roofline.estimate_time(gpu, meta["dtype"], b, n) for _, b, _, n in counts]
+    fixed = None
+    if optimizer is not None:
+        fixed = fixed_memory(params, [m for _, m in stages], [b for m in modules for b in m.buffers()], optimizer,
+                             dev, world_size)
     return Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
-                 names=[n for n, _ in stages], meta=meta)
+                 names=[n for n, _ in stages], meta=meta, fixed=fixed)
 
 
 class _StageProfile:

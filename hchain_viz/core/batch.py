@@ -1,0 +1,149 @@
+"""A chain as a function of the batch size (DESIGN §7): per-stage times and sizes fitted from profiles at two or
+more batch sizes, checked on a batch size not used for the fit.
+
+Every field is fitted per entry as ``a + b·B`` by least squares (exact through two points). Activation sizes are
+usually exactly linear in the batch size; times are roughly so (small batches pay a fixed launch cost, the
+intercept). :func:`fit_batch` builds the fit; ``chain.at_batch(B)`` evaluates it; :func:`fit_error` compares a
+fitted chain with one profiled at the same batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import HChainError, InvalidChain
+
+if TYPE_CHECKING:
+    from .chain import Chain
+
+#: The chain fields that depend on the batch size; the fixed part (parameters, optimizer state) does not.
+FIELDS = ("fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp")
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """Per-entry linear fits ``value = intercept + slope · batch`` of every batch-dependent chain field.
+
+    - ``batch``: the batch size the chain carrying this fit is at.
+    - ``sizes``: the batch sizes profiled for the fit.
+    - ``coef``: ``((field, intercepts, slopes), ...)`` for each of :data:`FIELDS`, one pair per entry; and
+      ``"shared"`` for the bytes of the chain's shared tensors (DESIGN §8) when it has any.
+    """
+
+    batch: int
+    sizes: tuple[int, ...]
+    coef: tuple[tuple[str, tuple[float, ...], tuple[float, ...]], ...]
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "batch", check_batch(self.batch))
+        set_(self, "sizes", tuple(check_batch(b) for b in self.sizes))
+        coef = tuple((str(f), tuple(float(v) for v in a), tuple(float(v) for v in s)) for f, a, s in self.coef)
+        given = sorted(f for f, _, _ in coef if f != "shared")
+        if given != sorted(FIELDS):
+            raise InvalidChain(f"batch_fit.coef must give the fields {', '.join(FIELDS)} (and optionally 'shared'), "
+                               f"got {', '.join(f for f, _, _ in coef)}")
+        for f, a, s in coef:
+            if len(a) != len(s) or not all(map(math.isfinite, a + s)):
+                raise InvalidChain(f"batch_fit.coef[{f!r}] needs finite intercepts and slopes of equal length")
+        set_(self, "coef", coef)
+
+    def values(self, batch: int) -> dict[str, list[float]]:
+        """Every field at ``batch``, before rounding (times clipped at 0, sizes not yet rounded)."""
+        return {f: [max(0.0, ai + si * batch) for ai, si in zip(a, s)] for f, a, s in self.coef}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch": self.batch, "sizes": list(self.sizes),
+                "coef": {f: {"intercept": list(a), "slope": list(s)} for f, a, s in self.coef}}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> BatchFit:
+        try:
+            coef = tuple((f, tuple(v["intercept"]), tuple(v["slope"])) for f, v in d["coef"].items())
+            return cls(batch=d["batch"], sizes=tuple(d["sizes"]), coef=coef)
+        except (KeyError, TypeError, AttributeError):
+            raise InvalidChain("chain JSON field 'batch_fit' must be an object with 'batch', 'sizes' and 'coef' "
+                               "({field: {'intercept': [...], 'slope': [...]}})") from None
+
+
+def check_batch(b: Any) -> int:
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
+        raise HChainError(f"a batch size must be a positive integer, got {b!r}")
+    return int(b)
+
+
+def fit_batch(chains: dict[int, Chain], *, batch: int | None = None) -> Chain:
+    """Fit every field of the chains profiled at the batch sizes ``chains`` maps from, and return the chain at
+    ``batch`` (default: the smallest profiled size) carrying the fit, so ``.at_batch(b)`` answers any size.
+
+    The chains must have the same stages. The fixed part and meta are taken from the chain at the smallest size.
+    """
+    if len(chains) < 2:
+        raise HChainError(f"fitting against the batch size needs profiles at two or more batch sizes, got "
+                          f"{sorted(chains)}")
+    sizes = sorted(check_batch(b) for b in chains)
+    first = chains[sizes[0]]
+    for b in sizes[1:]:
+        if chains[b].names != first.names:
+            raise HChainError(f"the chain profiled at batch {b} has stages {chains[b].names}, unlike the one at batch "
+                              f"{sizes[0]} ({first.names}); the model must cut into the same stages at every size")
+        if [t[:2] for t in chains[b].shared] != [t[:2] for t in first.shared]:
+            raise HChainError(f"the chain profiled at batch {b} has other shared tensors than the one at batch "
+                              f"{sizes[0]}; the model must cut the same way at every size")
+    design = np.stack([np.ones(len(sizes)), np.asarray(sizes, dtype=np.float64)], axis=1)
+    values = {f: [getattr(chains[b], f) for b in sizes] for f in FIELDS}
+    if first.shared:
+        values["shared"] = [[t[2] for t in chains[b].shared] for b in sizes]
+    coef = []
+    for f, v in values.items():
+        (a, s), *_ = np.linalg.lstsq(design, np.asarray(v, dtype=np.float64), rcond=None)  # v: (sizes, entries)
+        coef.append((f, tuple(a.tolist()), tuple(s.tolist())))
+    fit = BatchFit(batch=sizes[0], sizes=tuple(sizes), coef=tuple(coef))
+    return at_batch(replace(first, batch_fit=fit), sizes[0] if batch is None else batch)
+
+
+def at_batch(chain: Chain, batch: int) -> Chain:
+    """``chain`` at another batch size, from its :class:`BatchFit`. Sizes are rounded up to whole bytes, and each
+    ``xbar[i]`` kept at least ``x[i+1]`` (it contains the stage's output)."""
+    b = check_batch(batch)
+    if chain.batch_fit is None:
+        raise HChainError("this chain has no batch-size fit; profile at two or more batch sizes with "
+                          "hcv.profile_batches(model, make_batch, sizes=[...]) to get one")
+    v = chain.batch_fit.values(b)
+    x = [_whole(s) for s in v["x"]]
+    xbar = [max(_whole(s), x[i + 1]) for i, s in enumerate(v["xbar"])]
+    shared = chain.shared
+    if "shared" in v:  # a shared tensor is part of every x it crosses: never larger than the smallest of them
+        shared = tuple((f, la, min(_whole(s), *x[f:la + 1])) for (f, la, _), s in zip(chain.shared, v["shared"]))
+    return replace(chain, fwd_time=v["fwd_time"], bwd_time=v["bwd_time"], x=x, xbar=xbar, shared=shared,
+                   fwd_tmp=[_whole(s) for s in v["fwd_tmp"]], bwd_tmp=[_whole(s) for s in v["bwd_tmp"]],
+                   batch_fit=replace(chain.batch_fit, batch=b))
+
+
+def _whole(v: float) -> int:
+    """Bytes rounded up, but not for the last bits of float noise of a least-squares fit."""
+    return math.ceil(v - 1e-9 * abs(v) - 1e-6)
+
+
+def fit_error(fitted: Chain, measured: Chain) -> dict[str, float]:
+    """Relative errors (fitted / measured - 1) of a fitted chain against one profiled at the same batch size:
+    ``store_all_peak`` (simulated activation peak), ``store_all_time`` (sum of stage times), and ``size_max`` (the
+    largest error of any single nonzero x / xbar / fwd_tmp / bwd_tmp entry, as an absolute value)."""
+    from .simulate import simulate
+    from .strategies import store_all
+
+    if fitted.names != measured.names:
+        raise HChainError("fit_error compares chains of the same stages")
+    pf, pm = (simulate(c, store_all(c)).peak_memory for c in (fitted, measured))
+    worst = 0.0
+    for f in ("x", "xbar", "fwd_tmp", "bwd_tmp"):
+        for a, m in zip(getattr(fitted, f), getattr(measured, f)):
+            if m > 0:
+                worst = max(worst, abs(a / m - 1))
+    return {"store_all_peak": pf / pm - 1 if pm else 0.0,
+            "store_all_time": fitted.store_all_time / measured.store_all_time - 1 if measured.store_all_time else 0.0,
+            "size_max": worst}
