@@ -3,7 +3,9 @@
 ``python -m hchain_viz bench offload [--gpu H100] [--grid N]`` prints, for resnet_chain, nanogpt and a synthetic
 chain, at three links (PCIe 4.0 x16, PCIe 5.0 x16, NVLink-C2C) and four budgets each: the remat-only optimal makespan,
 the remat+offload makespan (``solve(chain, offload=True)``), both as overhead over store-all, and the share of the
-remat-only overhead that offloading removes. Then, per link, that share averaged over the budgets where remat-only
+remat-only overhead that offloading removes. The remat-only reference is the DP's answer or, when faster, a
+schedule of a larger budget's breakpoint that still fits once simulated (the DP rounds sizes up to its slots), so
+that rounding is not credited to offloading. Then, per link, that share averaged over the budgets where remat-only
 costs at least 10% (goal at PCIe 5.0: at least 1/3), whether offloading was ever slower (goal: never), and the time
 of one budget change at L = 50 (goal: 100 ms).
 
@@ -40,6 +42,16 @@ def synthetic() -> Chain:
                  fwd_tmp=c.fwd_tmp, bwd_tmp=c.bwd_tmp, names=c.names, meta={"times": "synthetic"})
 
 
+def remat_best(chain: Chain, remat, budget: int) -> float:
+    """The remat-only reference at ``budget``: the DP's answer, or a faster schedule of a larger budget's breakpoint
+    whose simulated peak still fits (the DP rounds sizes up to slots), so rounding is not credited to offloading."""
+    best = remat.makespan(budget)
+    for b, t in [p for p in remat.frontier() if p[0] > budget][:30]:
+        if t < best and simulate(chain, remat.schedule(b)).peak_memory <= budget:
+            best = t
+    return best
+
+
 def demo_chain(name: str, gpu: str) -> Chain:
     from ..runtime.models import demo_model
     from ..runtime.profile import profile
@@ -73,10 +85,10 @@ def run(argv: list[str]) -> None:
             sol = solve_offload(c, grid=grid, remat=remat)
             built = time.perf_counter() - t0
             for b in budgets:
-                r, o = remat.makespan(b), sol.makespan(b)
+                r, o = remat_best(chain, remat, b), sol.makespan(b)
                 trace = simulate(c, sol.schedule(b))
                 assert trace.peak_memory <= b and math.isclose(trace.makespan, o, rel_tol=1e-9)  # simulated
-                worse += o > r
+                worse += o > r * (1 + 1e-12)
                 removed = (r - o) / (r - base) if r > base else 0.0
                 if r / base - 1 >= 0.10:
                     shares[link].append(removed)
