@@ -25,7 +25,7 @@ import statistics
 import time
 
 from ..core.chain import BANDWIDTH_LABELS, Chain
-from ..core.offload import _grid, default_grid_size, solve_offload
+from ..core.offload import _grid, default_grid_size, remat_refined, solve_offload
 from ..core.simulate import simulate
 from ..core.solver import solve
 from ..core.units import format_bytes, format_time
@@ -40,16 +40,6 @@ def synthetic() -> Chain:
     c = Chain.random(50, seed=0, scale=16 * 2**20)
     return Chain(fwd_time=[t / 10 for t in c.fwd_time], bwd_time=[t / 10 for t in c.bwd_time], x=c.x, xbar=c.xbar,
                  fwd_tmp=c.fwd_tmp, bwd_tmp=c.bwd_tmp, names=c.names, meta={"times": "synthetic"})
-
-
-def remat_best(chain: Chain, remat, budget: int) -> float:
-    """The remat-only reference at ``budget``: the DP's answer, or a faster schedule of a larger budget's breakpoint
-    whose simulated peak still fits (the DP rounds sizes up to slots), so rounding is not credited to offloading."""
-    best = remat.makespan(budget)
-    for b, t in [p for p in remat.frontier() if p[0] > budget][:30]:
-        if t < best and simulate(chain, remat.schedule(b)).peak_memory <= budget:
-            best = t
-    return best
 
 
 def demo_chain(name: str, gpu: str) -> Chain:
@@ -85,11 +75,11 @@ def run(argv: list[str]) -> None:
             sol = solve_offload(c, grid=grid, remat=remat)
             built = time.perf_counter() - t0
             for b in budgets:
-                r, o = remat_best(chain, remat, b), sol.makespan(b)
+                r, o = remat_refined(chain, remat, b)[0], sol.makespan(b)
                 trace = simulate(c, sol.schedule(b))
                 assert trace.peak_memory <= b and math.isclose(trace.makespan, o, rel_tol=1e-9)  # simulated
                 worse += o > r * (1 + 1e-12)
-                removed = (r - o) / (r - base) if r > base else 0.0
+                removed = max(0.0, (r - o) / (r - base)) if r > base else 0.0  # 0 when equal up to float noise
                 if r / base - 1 >= 0.10:
                     shares[link].append(removed)
                 rows.append((name, BANDWIDTH_LABELS[link], format_bytes(b), format_time(r),

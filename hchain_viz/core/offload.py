@@ -40,7 +40,7 @@ from .schedule import Op, Schedule
 from .simulate import Trace, simulate
 from .units import format_bytes, format_time
 
-__all__ = ["OffloadSolution", "solve_offload", "fit_by_offload", "default_grid_size"]
+__all__ = ["OffloadSolution", "solve_offload", "fit_by_offload", "default_grid_size", "remat_refined"]
 
 _ROUNDS = 4  # cover-and-replay rounds per candidate before giving up on it
 _NEAR, _FAR = 10, 8  # remat-only schedules tried per budget: the nearest breakpoints above it, then spread out
@@ -279,9 +279,22 @@ def _candidates(remat: Any, budget: int) -> list[tuple[float, int]]:
     return sorted(near + far)
 
 
+def remat_refined(chain: Chain, remat: Any, budget: int, n: int = 16) -> tuple[float, Schedule | None]:
+    """The remat-only answer at ``budget``: the DP's makespan, or a faster schedule among the ``n`` nearest larger
+    breakpoints that still fits once simulated (the DP rounds sizes up to whole slots). ``(makespan, schedule)``;
+    the schedule is None when the DP's own answer is the best."""
+    best_t, best = remat.makespan(budget), None
+    for b, t in [p for p in remat.frontier() if p[0] > budget][:n]:
+        if t < best_t:
+            s = remat.schedule(b)
+            if simulate(chain, s).peak_memory <= budget:
+                best_t, best = t, s
+    return best_t, best
+
+
 def _best_at(chain: Chain, remat: Any, budget: int) -> tuple[float, Schedule] | None:
     """The fastest simulated offload schedule within ``budget`` found from the candidates, if it beats remat-only."""
-    best_t, best = remat.makespan(budget), None
+    best_t, best = remat_refined(chain, remat, budget)
     for t, b in _candidates(remat, budget):
         if t >= best_t * (1 - 1e-12):
             break  # offloading never makes a schedule faster than its remat-only time
@@ -291,6 +304,8 @@ def _best_at(chain: Chain, remat: Any, budget: int) -> tuple[float, Schedule] | 
         tr = simulate(chain, fitted)
         if tr.peak_memory <= budget and tr.makespan < best_t:
             best_t, best = tr.makespan, fitted
+    if best is not None and best.n_transfers == 0:  # a remat-only schedule: report its simulated time
+        best_t = simulate(chain, best).makespan
     if best is None:
         return None
     return best_t, Schedule(best.ops, {"strategy": "optimal+offload", "solved_budget": int(budget)})
