@@ -105,7 +105,7 @@ def timeline_traces(view: TraceView, step: int | None = None, unit: tuple[str, i
                     x=[w.end - w.start for w in shown], width=0.8, showlegend=bool(idle),
                     text=[f"waits for Pre{w.stage}" for w in shown],
                     hovertemplate="%{text}: %{x:" + style.TIME_HOVER + "}s<extra></extra>",
-                    marker=dict(color=style.IDLE_COLOR, pattern=dict(shape="/"), line_width=0)))
+                    marker=dict(color=style.IDLE_COLOR, opacity=1.0, pattern=dict(shape="/"), line_width=0)))
     return out
 
 
