@@ -7,8 +7,9 @@ The algorithm is a heuristic judged by the simulator, not an exact DP. Why: the 
 (Beaumont, Eyraud-Dubois, Shilova 2021); their DP is exact only on a coarse time/memory grid and is cubic in memory,
 which would not answer a budget slider within 100 ms at L = 50. What it does, for a budget ``B``:
 
-1. Candidates are remat-only optimal schedules at budgets ``B' >= B`` (the remat frontier's breakpoints, a few dozen
-   at most): each is faster than the optimum at ``B`` but may peak above ``B``.
+1. Candidates are remat-only optimal schedules at budgets ``B' >= B`` (the remat frontier's breakpoints: the nearest
+   densely, farther ones at geometric distances, a few dozen at most): each is faster than the optimum at ``B`` but
+   may peak above ``B``.
 2. *Fit by offload*: the excess of each op over ``B`` is covered greedily. A value (x̄_{i+1} left by ``Fall(i)``, or
    a checkpoint x_i kept by ``Fck(i)``) that sits unused between two of its uses can go to the host in between:
    ``Off(i)`` right after the first use, ``Pre(i)`` as late as the link allows it to arrive before the second use
@@ -43,7 +44,7 @@ from .units import format_bytes, format_time
 __all__ = ["OffloadSolution", "solve_offload", "fit_by_offload", "default_grid_size", "remat_refined"]
 
 _ROUNDS = 4  # cover-and-replay rounds per candidate before giving up on it
-_NEAR, _FAR = 10, 8  # remat-only schedules tried per budget: the nearest breakpoints above it, then spread out
+_NEAR, _RATIO = 8, 1.25  # remat-only schedules tried per budget: the 8 nearest breakpoints above it, then sparser
 
 
 def fit_by_offload(chain: Chain, schedule: Schedule, budget: int) -> Schedule | None:
@@ -271,12 +272,15 @@ def _grid(remat: Any, top: int, n: int) -> list[int]:
 
 def _candidates(remat: Any, budget: int) -> list[tuple[float, int]]:
     """Remat-only frontier breakpoints above ``budget`` to start from, fastest first: the nearest ones densely (they
-    need the least offloading), farther ones sparsely."""
+    need the least offloading), farther ones at geometrically growing distances (the k-th nearest for k < 8, then
+    every ~25% farther), and store-all's (offloading alone may fit it)."""
     above = [(t, b) for b, t in remat.frontier() if b > budget]
-    near, far = above[:_NEAR], above[_NEAR:]
-    if len(far) > _FAR:
-        far = [far[k] for k in np.unique(np.linspace(0, len(far) - 1, _FAR).round().astype(int))]
-    return sorted(near + far)
+    picks, k = list(range(min(_NEAR, len(above)))), float(_NEAR)
+    while k < len(above):
+        picks.append(int(k))
+        k *= _RATIO
+    picks.append(len(above) - 1)
+    return sorted(above[i] for i in sorted(set(picks)) if i >= 0)
 
 
 def remat_refined(chain: Chain, remat: Any, budget: int, n: int = 16) -> tuple[float, Schedule | None]:
