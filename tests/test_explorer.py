@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-from plotly.callbacks import InputDeviceState, Points
 
 import hchain_viz as hcv
 from hchain_viz.core import strategies
@@ -88,6 +87,20 @@ def test_budget_change_updates_every_figure(ex, solution):
     assert ex.budget == 2**30 and ex.schedule.n_recomputed == 0
 
 
+def test_the_page_gets_the_figures_on_screen(ex, solution):
+    """The board's synced state (what a page, a reloaded page or a saved notebook draws) follows every change."""
+    def page(name):
+        return json.loads(ex._board._figure_json[name])
+
+    ex.budget = low_budget(solution)
+    ex.step = 3
+    for name, fig in ex.figures.items():
+        assert page(name)["layout"]["title"]["text"] == fig.layout.title.text
+        assert "width" not in page(name)["layout"]  # the page sizes every figure to its box
+    assert page("timeline")["layout"]["shapes"][0]["x0"] == pytest.approx(ex.trace.events[2].end)
+    assert ex._board.rows == [["frontier", "memory"], ["timeline"], ["tape"]]
+
+
 def test_infeasible_budget_is_refused_and_nothing_changes(ex):
     b = ex.budget
     with pytest.raises(InfeasibleBudget, match="least feasible budget") as err:
@@ -149,17 +162,24 @@ def test_budget_change_resets_the_player(ex, solution):
     assert ex.figures["timeline"].layout.shapes[0].visible is False  # the whole step shown: no cursor
 
 
+def click(ex, name, x, trace=0):
+    """What the page sends when a point of figure ``name`` is clicked."""
+    ex._board._on_msg(ex._board, {"event": "click", "name": name, "trace": trace, "x": x, "y": 1.0}, None)
+
+
 def test_clicking_the_frontier_sets_the_budget(ex, solution):
     fig = ex.figures["frontier"]
     opt = trace_named(fig, "optimal")
     b = int(opt.x[len(opt.x) // 3])
-    opt._dispatch_on_click(Points(point_inds=[0], xs=[b], ys=[1.0], trace_name="optimal", trace_index=0),
-                           InputDeviceState())
+    click(ex, "frontier", b)
     assert ex.budget == b
     assert list(trace_named(fig, "budget").x) == [b, b]
-    opt._dispatch_on_click(Points(point_inds=[0], xs=[10 * solution.store_all_peak], ys=[1.0]), InputDeviceState())
+    click(ex, "frontier", 10 * solution.store_all_peak, trace=3)  # any curve: the budget is where the click landed
     assert ex.budget == ex.max_budget  # clamped to the slider's range
-    assert not trace_named(fig, "sqrt_n")._click_callbacks  # one curve answers a click, so one budget wins
+    before = ex.budget
+    click(ex, "memory", ex.min_budget)  # other figures do not set the budget
+    click(ex, "frontier", None)
+    assert ex.budget == before
 
 
 def test_budget_slider_drives_the_budget(ex):
@@ -275,6 +295,49 @@ def test_explore_profiles_a_model_and_wraps_the_schedule_on_screen():
     out.square().mean().backward()
     ref = model(x)
     assert torch.equal(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------- stale widgets
+def _alive(ex):
+    """The explorer's widgets still open in the kernel (a closed widget has no comm)."""
+    from hchain_viz.viz.explorer import _tree
+
+    return [w for w in [ex._link, *_tree(ex.widget)] if w.comm is not None]
+
+
+def test_close_releases_every_widget(chain, solution):
+    ex = Explorer(chain, solution=solution)
+    assert ex._board in _alive(ex) and len(_alive(ex)) > 10
+    ex.close()
+    assert _alive(ex) == []
+    assert ex.schedule.ops == solution.schedule(ex.budget).ops  # the state stays readable
+
+
+def test_a_new_explorer_on_the_same_chain_replaces_the_old_one(chain, solution):
+    first = Explorer(chain, solution=solution)
+    other = Explorer(hcv.Chain.random(5, seed=1), baselines=False)
+    second = Explorer(chain, solution=solution)
+    assert _alive(first) == [] and _alive(second) and _alive(other)  # another chain's explorer stays
+    other.close()
+
+
+def test_rerunning_a_notebook_cell_replaces_its_explorer(chain, solution, monkeypatch):
+    from hchain_viz.viz import explorer as E
+
+    cell = {"run": ("cell-a", [])}
+    monkeypatch.setattr(E, "_cell", lambda: cell["run"])
+    first = Explorer(hcv.Chain.random(5, seed=1), baselines=False)
+    # the same cell again with a new chain (re-profiled): replaces the first
+    second = Explorer(hcv.Chain.random(5, seed=1), baselines=False)
+    assert _alive(first) == [] and _alive(second)
+    cell["run"] = ("cell-b", [])
+    third = Explorer(hcv.Chain.random(5, seed=2), baselines=False)  # another cell: both stay
+    assert _alive(second) and _alive(third)
+    cell["run"] = ("cell-c", ["cell-a"])  # cell-a was deleted: its explorer goes
+    fourth = Explorer(hcv.Chain.random(5, seed=3), baselines=False)
+    assert _alive(second) == [] and _alive(third) and _alive(fourth)
+    third.close()
+    fourth.close()
 
 
 def test_explorer_shows_an_offload_solution():

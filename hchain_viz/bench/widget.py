@@ -1,7 +1,8 @@
 """Benchmark: server-side time of one explorer budget change (``python -m hchain_viz bench widget``).
 
 One change re-reads the DP table and rebuilds the op list (``solution.schedule``), simulates it, reads the trace into
-arrays and pushes the new data into the four FigureWidgets. Measured on ``Chain.random(L)`` with the explorer's
+arrays, updates the four figures and serialises the changed ones for the page (the explorer's
+FigureBoard). Measured on ``Chain.random(L)`` with the explorer's
 (strategy, budget) cache cleared before every change, over budgets spread from the least feasible one to store-all,
 after one warm-up change. Goals: median <= 30 ms at L=50 and <= 100 ms at L=200. No browser is attached, so the
 time is what the kernel spends; the frontend's redraw comes on top.

@@ -44,6 +44,7 @@ from .measure import (
     user_code,
 )
 from .memtrack import AllocationTracker, MemoryMeter, map_tensors, nbytes, storage_of, storages, tensors
+from .progress import progress_bar
 from .stages import sequentialize
 
 __all__ = ["profile"]
@@ -60,7 +61,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     ``loss_fn(output) -> scalar`` gives the last stage its real output gradient; by default
     :func:`~hchain_viz.runtime.measure.default_loss` (mean of squares, whose gradient is a tensor the size of the
     output). ``device``: where to run (default: the model's device); the model must already be there.
-    ``progress``: show a tqdm bar while profiling takes more than a moment.
+    ``progress``: show a progress bar while profiling takes more than a moment (in a notebook, a widget that leaves a
+    line of text behind).
 
     ``estimate_for="H100"`` (or ``"A100"``, ``"H200"``): replace the measured times by a roofline *estimate* for that
     GPU from each stage's FLOP and byte counts (:mod:`~hchain_viz.runtime.roofline`); sizes stay measured.
@@ -90,12 +92,10 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         raise NotSequentialError(f"the {type(model).__name__} has no stages to profile")
     loss_fn = default_loss if loss_fn is None else loss_fn
 
-    from tqdm.auto import tqdm
-
     L = len(stages)
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
     counts: list[tuple[int, int, int, int]] = []  # per stage, for estimate_for: fwd/bwd FLOPs and bytes
-    bar = tqdm(total=L, desc="profiling", unit="stage", disable=not progress, delay=0.5, leave=False)
+    bar = progress_bar(L, "profiling", "stage", enabled=progress)  # in a notebook, text once done
     with preserved_state(modules + [m for _, m in stages], dev), bar:
         h = _leaves(sample_input)
         for i, (name, stage) in enumerate(stages):

@@ -1,17 +1,20 @@
 """The interactive explorer: a notebook widget to slide the memory budget and watch the optimal schedule change.
 
-``Explorer(chain)`` (or ``explore(model, x)``, which profiles first) lays out four plotly FigureWidgets — the
-frontier, the memory curve, the timeline and the storage tape — under a budget slider (MiB/GiB), a strategy selector
-(switch to a baseline, or overlay one), a Play button with a step slider that replays the schedule op by op, and the
+``Explorer(chain)`` (or ``explore(model, x)``, which profiles first) lays out four plotly figures in one
+:class:`~hchain_viz.viz.board.FigureBoard` that fills the output area — the frontier, the memory curve, the timeline and
+the storage tape — under a budget slider (MiB/GiB), a strategy selector (switch to a baseline, or overlay one), a
+Play button with a step slider that replays the schedule op by op, and the
 step's statistics. Clicking the frontier sets the budget. ``explorer.schedule`` / ``save_schedule`` / ``wrap`` export
 what is on screen.
 
 The explorer holds state and pushes data; it computes nothing itself. A budget change re-reads the solver's table
-(``solution.schedule``), simulates, and sends the figure builders' output (:mod:`hchain_viz.viz.figures`) into the
-widgets inside ``batch_update``. Slider events are throttled (:mod:`hchain_viz.viz.throttle`).
+(``solution.schedule``), simulates, stores the figure builders' output (:mod:`hchain_viz.viz.figures`) in the
+figures and has the board send the changed ones to the page. Slider events are throttled
+(:mod:`hchain_viz.viz.throttle`).
 
 Programmatic control mirrors the controls: ``explorer.budget = nbytes``, ``explorer.strategy = "revolve"``,
-``explorer.overlay = "sqrt_n"``, ``explorer.step = k``; ``explorer.figures`` maps names to the FigureWidgets.
+``explorer.overlay = "sqrt_n"``, ``explorer.step = k``; ``explorer.figures`` maps names to the figures.
+``explorer.close()`` releases its widgets; a new explorer closes the ones it replaces (same chain, same cell).
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ try:
     import ipywidgets as W
     import plotly.graph_objects as go
     from plotly.basedatatypes import Undefined as _UNDEFINED  # "leave this property as it is" in plotly_update
-except ImportError as e:  # pragma: no cover - both are hard dependencies of the package
-    raise DependencyError("the explorer needs ipywidgets and plotly: `pip install ipywidgets plotly anywidget`") from e
+
+    from .board import FigureBoard
+except ImportError as e:  # pragma: no cover - all three are hard dependencies of the package
+    raise DependencyError("the explorer needs ipywidgets, plotly and anywidget: "
+                          "`pip install ipywidgets plotly anywidget`") from e
 
 __all__ = ["Explorer", "explore"]
 
@@ -47,6 +53,22 @@ OPTIMAL = "optimal"
 # when the figures are built. Fewer keys per update is most of what keeps a budget change fast.
 _DYNAMIC_DATA = frozenset(("x", "y", "base", "customdata", "text", "marker.opacity", "name", "showlegend"))
 _CACHE_SIZE = 64  # (strategy, budget) -> view; a slider dragged back and forth hits it
+# Explorers not yet closed, with the notebook cell that made each (None outside JupyterLab): a new explorer closes
+# the ones it replaces, so re-running a cell does not leave widgets alive in the kernel (and in a reloaded page).
+_OPEN: list[tuple[Explorer, str | None]] = []
+
+
+def _cell() -> tuple[str | None, list[str]]:
+    """The id of the notebook cell being run and of the cells deleted since the last run (JupyterLab and Notebook 7
+    send them with every execute request); (None, []) elsewhere."""
+    try:
+        from IPython import get_ipython
+
+        meta = get_ipython().kernel.get_parent()["metadata"]
+    except Exception:  # no IPython, no kernel, no parent message: not in a notebook
+        return None, []
+    cell = meta.get("cellId")
+    return (cell if isinstance(cell, str) else None), [c for c in meta.get("deletedCells") or [] if isinstance(c, str)]
 
 
 def _baseline_schedule(chain: Chain, name: str, budget: int) -> tuple[Schedule, str]:
@@ -81,11 +103,12 @@ class Explorer:
     throttle_ms:
         Least time between two redraws while the budget slider is dragged.
     width:
-        Width of the layout in pixels (the frontier and the memory curve share a row).
+        Largest width of the explorer in pixels; by default it fills its output area and follows it when that area
+        changes width (the frontier and the memory curve share a row, stacked below 720 px).
     """
 
     def __init__(self, chain: Chain, model: Any = None, *, solution: Any = None, budget: int | str | None = None,
-                 strategy: str = OPTIMAL, baselines: Any = None, throttle_ms: float = 60.0, width: int = 1100):
+                 strategy: str = OPTIMAL, baselines: Any = None, throttle_ms: float = 60.0, width: int | None = None):
         if not isinstance(chain, Chain):
             raise HChainError(f"Explorer needs a Chain (from hcv.profile or hcv.Chain), got {type(chain).__name__}; "
                               "for a model use hcv.explore(model, sample_input)")
@@ -116,8 +139,12 @@ class Explorer:
         self._step = self._view.n
         self._syncing = False  # True while the explorer itself moves a control: its observer must not echo
 
-        self._build_widgets(throttle_ms / 1000.0, int(width))
+        if width is not None and (not isinstance(width, int) or width < 300):
+            raise HChainError(f"width is the explorer's largest width in pixels, 300 or more (or None to fill the "
+                              f"output area), got {width!r}")
+        self._build_widgets(throttle_ms / 1000.0, width)
         self._draw_budget()
+        self._replace_stale()
 
     # ------------------------------------------------------------------------------------------ public state
     @property
@@ -177,8 +204,9 @@ class Explorer:
         return self._view.trace
 
     @property
-    def figures(self) -> dict[str, go.FigureWidget]:
-        """``{"frontier", "memory", "timeline", "tape"}`` → FigureWidget."""
+    def figures(self) -> dict[str, go.Figure]:
+        """``{"frontier", "memory", "timeline", "tape"}`` → the figure on screen (a ``go.Figure`` kept in step with
+        the page; change it through the explorer, not directly)."""
         return dict(self._figs)
 
     @property
@@ -199,6 +227,25 @@ class Explorer:
         from ..runtime.wrap import wrap
 
         return wrap(model, self.schedule, **kwargs)
+
+    def close(self) -> None:
+        """Release every widget of the explorer (controls and figures), in the kernel and in the page.
+
+        Called for you on the explorers a new one replaces: one on the same chain object, or one made by the same
+        notebook cell (a re-run) or by a deleted cell. The explorer's state (budget, schedule, figures) stays readable.
+        """
+        self._throttled_budget.cancel()
+        for w in [self._link, *_tree(self._layout)]:
+            w.close()
+        _OPEN[:] = [(e, c) for e, c in _OPEN if e is not self]
+
+    def _replace_stale(self) -> None:
+        """Close the open explorers this one replaces (see :meth:`close`), then register this one."""
+        cell, deleted = _cell()
+        for other, other_cell in list(_OPEN):
+            if other.chain is self.chain or (other_cell is not None and (other_cell == cell or other_cell in deleted)):
+                other.close()
+        _OPEN.append((self, cell))
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
         return self._layout._repr_mimebundle_(**kwargs)
@@ -249,12 +296,14 @@ class Explorer:
         return out
 
     # ------------------------------------------------------------------------------------------ widgets
-    def _build_widgets(self, throttle_s: float, width: int) -> None:
+    def _build_widgets(self, throttle_s: float, width: int | None) -> None:
         lo, hi = self.min_budget, self.max_budget
+        # Widths flex with the output area: rows wrap instead of scrolling sideways when it is narrow.
+        grow = W.Layout(flex="1 1 240px", min_width="160px", max_width="560px")
         self._budget_slider = W.IntSlider(
             value=min(self._budget, hi), min=lo, max=max(hi, lo + 1), step=max(1, (hi - lo) // 1000),
-            description="budget", readout=False, continuous_update=True, layout=W.Layout(width="420px"))
-        self._budget_label = W.HTML()
+            description="budget", readout=False, continuous_update=True, layout=grow)
+        self._budget_label = W.HTML(layout=W.Layout(flex="0 0 auto"))
         self._strategy_dd = W.Dropdown(options=self._strategies, value=self._strategy, description="strategy",
                                        layout=W.Layout(width="230px"))
         # "" stands for "no overlay": an ipywidgets Dropdown treats the value None as "nothing selected" and shows
@@ -263,10 +312,11 @@ class Explorer:
                                       description="compare", layout=W.Layout(width="230px"))
         self._play = W.Play(value=self._step, min=0, max=self._view.n, interval=80, description="play")
         self._step_slider = W.IntSlider(value=self._step, min=0, max=self._view.n, description="step",
-                                        continuous_update=True, layout=W.Layout(width="420px"))
-        W.jslink((self._play, "value"), (self._step_slider, "value"))  # the browser advances the slider itself
-        # Fixed height: a label that wraps to one or two lines by op name would make the figures jump during Play.
-        self._step_label = W.HTML(layout=W.Layout(height="44px", overflow="hidden"))
+                                        continuous_update=True, layout=grow)
+        self._link = W.jslink((self._play, "value"), (self._step_slider, "value"))  # the browser moves the slider
+        # One line, whatever the width: a label that wrapped by op name would make the figures jump during Play.
+        self._step_label = W.HTML(layout=W.Layout(height="28px", overflow="hidden"))
+        self._step_label.add_class("hcv-oneline")
         self._stats = W.HTML()
         self._path = W.Text(value="schedule.json", description="file", layout=W.Layout(width="300px"))
         self._save = W.Button(description="Save schedule", icon="download")
@@ -280,41 +330,35 @@ class Explorer:
         self._save.on_click(lambda _: self._on_save())
 
         fd = self._frontier
-        # Fixed pixel widths (plotly's autosize misjudges widget boxes), given in the layout each widget is BUILT
-        # with: a later `fig.layout.width = w` only reaches views that already exist, so a browser that renders
-        # the widget afterwards (Voila, a reopened notebook) would autosize to 700 px and clip the half-width pair.
-        half = dict(width=width // 2)
-        full = dict(width=width)
+        # No widths: the board sizes every figure to its grid cell, and again whenever the output area changes.
         self._figs = {
-            "frontier": go.FigureWidget(data=F.frontier_traces(fd, self._budget, self._unit),
-                                        layout={**F.frontier_layout(fd), **half}),
-            "memory": go.FigureWidget(data=F.memory_traces(self._view, self._budget, None, None, self._unit),
-                                      layout={**F.memory_layout(self._view, self._budget), **half}),
-            "timeline": go.FigureWidget(data=F.timeline_traces(self._view, None, self._unit),
-                                        layout={**F.timeline_layout(self._view), **full}),
-            "tape": go.FigureWidget(data=F.tape_traces(self._view, None, self._unit),
-                                    layout={**F.tape_layout(self._view), **full}),
+            "frontier": go.Figure(data=F.frontier_traces(fd, self._budget, self._unit), layout=F.frontier_layout(fd)),
+            "memory": go.Figure(data=F.memory_traces(self._view, self._budget, None, None, self._unit),
+                                layout=F.memory_layout(self._view, self._budget)),
+            "timeline": go.Figure(data=F.timeline_traces(self._view, None, self._unit),
+                                  layout=F.timeline_layout(self._view)),
+            "tape": go.Figure(data=F.tape_traces(self._view, None, self._unit), layout=F.tape_layout(self._view)),
         }
         self._n_frontier_curves = 1 + len(fd.baselines)  # optimal + baselines; the budget marks come after them
-        # Only the optimal curve listens: it is dense and the frontier's hovermode is "x", so a click anywhere lands
-        # on it near the pointer; plotly calls back once per clicked trace, and one answer per click is enough.
-        self._figs["frontier"].data[0].on_click(self._on_frontier_click)
+        self._board = FigureBoard(self._figs, rows=[["frontier", "memory"], ["timeline"], ["tape"]])
+        self._board.on_click("frontier", self._on_frontier_click)
 
         L = self.chain.length
         head = W.HTML(f"<b>hchain_viz explorer</b> — {L} stages, store-all "
                       f"{format_time(self.chain.store_all_time)} at {format_bytes(self.max_budget)}; least feasible "
                       f"budget {format_bytes(self.min_budget)}")
+        row = dict(flex_flow="row wrap", align_items="center", width="100%")
         self._layout = W.VBox([
             head,
-            W.HBox([self._budget_slider, self._budget_label]),
-            W.HBox([self._strategy_dd, self._overlay_dd]),
-            W.HBox([self._play, self._step_slider, self._step_label]),
+            W.HBox([self._budget_slider, self._budget_label], layout=W.Layout(**row)),
+            W.HBox([self._strategy_dd, self._overlay_dd], layout=W.Layout(**row)),
+            W.HBox([self._play, self._step_slider], layout=W.Layout(**row)),
+            self._step_label,
             self._stats,
-            W.HBox([self._figs["frontier"], self._figs["memory"]], layout=W.Layout(width="100%")),
-            self._figs["timeline"],
-            self._figs["tape"],
-            W.HBox([self._path, self._save, self._save_label]),
-        ])
+            self._board,
+            W.HBox([self._path, self._save, self._save_label], layout=W.Layout(**row)),
+        ], layout=W.Layout(width="100%", min_width="0", max_width=None if width is None else f"{width}px"))
+        self._layout.add_class("hcv-explorer")
 
     # ------------------------------------------------------------------------------------------ event handlers
     def _on_budget_slider(self, value: int) -> None:
@@ -325,11 +369,12 @@ class Explorer:
         self._step = min(int(value), self._view.n)
         self._draw_step()
 
-    def _on_frontier_click(self, trace: Any, points: Any, state: Any) -> None:
-        """A click on the frontier jumps to that budget (clamped to the feasible range)."""
-        if not points.xs:
-            return
-        self.budget = int(min(max(points.xs[0], self.min_budget), self.max_budget))
+    def _on_frontier_click(self, click: dict) -> None:
+        """A click on the frontier jumps to that budget (clamped to the feasible range). The frontier's hovermode is
+        "x", so a click anywhere lands on the curves near the pointer; the budget is where it landed."""
+        x = click.get("x")
+        if isinstance(x, (int, float)) and np.isfinite(x):
+            self.budget = int(min(max(x, self.min_budget), self.max_budget))
 
     def _on_save(self) -> None:
         try:
@@ -362,6 +407,7 @@ class Explorer:
             point = None if self._strategy == OPTIMAL else (tr.peak_memory, tr.makespan)
             _push(self._figs["frontier"], F.frontier_budget_traces(self._frontier, self._budget, point),
                   first=self._n_frontier_curves)
+        self._board.sync()
         self._draw_stats()
 
     def _draw_step(self) -> None:
@@ -372,6 +418,7 @@ class Explorer:
         finally:
             self._syncing = False
         self._push_views(self._step)
+        self._board.sync(("memory", "timeline", "tape"))
         self._draw_step_label()
 
     def _push_views(self, step: int | None) -> None:
@@ -409,14 +456,14 @@ class Explorer:
         self._draw_step_label()
 
 
-def _push(fig: go.FigureWidget, traces: list[dict], layout: dict | None = None, first: int = 0) -> None:
-    """Send builder output into a FigureWidget as ONE plotly update message: trace ``first + j`` gets ``traces[j]``.
+def _push(fig: go.Figure, traces: list[dict], layout: dict | None = None, first: int = 0) -> None:
+    """Store builder output in a figure as ONE plotly update: trace ``first + j`` gets ``traces[j]``.
 
     NOTE [fast updates]: ``fig.plotly_update`` (the same path the browser's own edits take) stores values without
     plotly.py's per-property validation, which costs milliseconds per property and dominated a budget change. This
     is safe because the values come from the very builders whose output was validated when the figure was built,
-    and only values that differ from the stored ones are sent. It is the one-message equivalent of assigning every
-    property inside ``fig.batch_update()``.
+    and only values that differ from the stored ones are stored. It is the equivalent of assigning every property
+    inside ``fig.batch_update()``; the board then sends the figures that changed to the page (``FigureBoard.sync``).
     """
     flat = [{k: v for k, v in _flatten(d).items() if k in _DYNAMIC_DATA} for d in traces]
     keys = dict.fromkeys(k for f in flat for k in f)
@@ -424,6 +471,11 @@ def _push(fig: go.FigureWidget, traces: list[dict], layout: dict | None = None, 
     relayout = {} if layout is None else {k: layout[k] for k in F.DYNAMIC_LAYOUT if k in layout}
     fig.plotly_update(restyle_data=restyle, relayout_data=relayout,
                       trace_indexes=list(range(first, first + len(traces))))
+
+
+def _tree(w: W.Widget) -> list[W.Widget]:
+    """``w`` and every widget inside it."""
+    return [w, *(x for c in getattr(w, "children", ()) for x in _tree(c))]
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

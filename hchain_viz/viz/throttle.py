@@ -50,6 +50,13 @@ class Throttle:
         if self.pending:
             self._fire()
 
+    def cancel(self) -> None:
+        """Drop the pending value and its trailing call."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._pending = _NOTHING
+
     def _fire(self) -> None:
         self._handle = None
         value, self._pending = self._pending, _NOTHING

@@ -115,9 +115,11 @@ class TimelineCheck:
         return String(t && t.text !== undefined ? t.text : t || '');
       };
       const tl = Array.from(document.querySelectorAll('.js-plotly-plot')).find(p => title(p).startsWith('Timeline'));
-      if (!tl || !tl.data) return null;
-      const bars = {};
-      for (const t of tl.data) if (t.type === 'bar') bars[t.name] = [Array.from(t.base || []), Array.from(t.x || [])];
+      if (!tl || !tl._fullData) return null;
+      const bars = {};  // _fullData: arrays decoded (a figure's JSON may carry numpy arrays base64-encoded)
+      for (const t of tl._fullData) {
+        if (t.type === 'bar') bars[t.name] = [Array.from(t.base || []), Array.from(t.x || [])];
+      }
       return bars;
     }"""
     # True when the page's bars equal `want` (same traces and lengths, values to 1e-9 relative)
@@ -227,6 +229,7 @@ def voila_url(tmp_path_factory):
         JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTER_DATA_DIR=str(tmp / "data"),  # nothing written to ~
         JUPYTER_CONFIG_DIR=str(tmp / "config"),  # no user configuration leaks in
         JUPYTER_PLATFORM_DIRS="1", PYDEVD_DISABLE_FILE_VALIDATION="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),  # the kernel imports this checkout's package
     )
     cmd = [sys.executable, "-m", "voila", "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
            "--show_tracebacks=True", APP.name]

@@ -22,7 +22,8 @@ WAIT_MS = 30_000  # for the kernel to answer one control change: generous, other
 GIF_WIDTH = 900  # px, about the size the README shows it at
 
 # The explorer's controls and cursors as the browser shows them. The budget slider is the layout's first slider and
-# the step slider its second, each followed by its label; the cursor is the first layout shape of a figure.
+# the step slider its second; the budget label follows its slider, the step label is the one-line label below;
+# the cursor is the first layout shape of a figure.
 _STATE_JS = """() => {
   const title = p => {
     const t = p.layout && p.layout.title;
@@ -41,26 +42,14 @@ _STATE_JS = """() => {
   const value = s => +s.querySelector('.noUi-handle').getAttribute('aria-valuenow');
   return {timeline_title: title(tl), memory_title: title(mem), cursor: cursor(tl), memory_cursor: cursor(mem),
           budget: value(sliders[0]), budget_label: label(sliders[0]),
-          step: value(sliders[1]), step_label: label(sliders[1])};
+          step: value(sliders[1]),
+          step_label: (document.querySelector('.hcv-oneline') || {innerText: ''}).innerText.trim()};
 }"""
 
 
 def _when(args: str, condition: str) -> str:
     """A wait_for_function predicate over the state ``s`` (null while the explorer is not on the page)."""
     return "(" + args + ") => { const s = (" + _STATE_JS + ")(); return s !== null && (" + condition + "); }"
-
-
-# NOTE [anywidget init timeout]: anywidget (0.11) gives a widget model 2 s to import and bind its ESM; when that takes
-# longer, the model's `ready` promise rejects ("[anywidget] Failed to initialize model.") and the model then drops every
-# later message from the kernel, so that figure silently stops following the controls. plotly's FigureWidget ESM is
-# ~5 MB (~1.5 s to import on a busy 2-core runner) and the explorer has four of them, so a loaded machine trips it at
-# random. That is anywidget's race, not the explorer's, and these tests stretch exactly that 2 s timer so that they
-# test the explorer. A user on a slow machine can meet the same frozen figure: the fix belongs in anywidget (wait for
-# the ESM instead of timing out for good), or in an explorer with fewer FigureWidgets.
-_STRETCH_ANYWIDGET_INIT = """(() => {
-  const timeout = AbortSignal.timeout.bind(AbortSignal);
-  AbortSignal.timeout = ms => timeout(ms === 2000 ? 60000 : ms);
-})();"""
 
 
 class App:
@@ -158,7 +147,6 @@ def _pad(im, height):
 @pytest.fixture(scope="module")
 def app(browser, voila_url, app_spec, app_timeline):
     context = browser.new_context(viewport={"width": app_spec["width"] + 100, "height": 2400})
-    context.add_init_script(_STRETCH_ANYWIDGET_INIT)
     page = context.new_page()
     a = App(page, app_timeline)
     try:
@@ -185,9 +173,18 @@ def test_opens_at_the_middle_budget_with_its_schedule(app, app_solution, app_spe
     assert abs(s["budget"] - (lo + hi) // 2) <= (hi - lo) // 1000
     assert s["timeline_title"].startswith("Timeline (optimal)")
     assert s["cursor"][1] is False  # no replay yet: the cursor is hidden
-    # every figure got the width the explorer asked for (plotly's 700 px autosize would clip the half-width pair)
-    widths = app.page.evaluate("Array.from(document.querySelectorAll('.js-plotly-plot')).map(p => p._fullLayout.width)")
-    assert sorted(widths) == [app_spec["width"] // 2] * 2 + [app_spec["width"]] * 2
+    # the explorer is as wide as it may be (its width= caps it), the timeline and tape fill it, the frontier and the
+    # memory curve share a row; each figure is drawn at the width of its box (never plotly's default 700 px)
+    sizes = app.page.evaluate("""() => ({
+      explorer: document.querySelector('.hcv-explorer').getBoundingClientRect().width,
+      board: document.querySelector('.hcv-board').getBoundingClientRect().width,
+      figs: Array.from(document.querySelectorAll('.js-plotly-plot')).map(
+          p => [p._fullLayout.width, p.getBoundingClientRect().width])})""")
+    assert sizes["explorer"] == pytest.approx(app_spec["width"], abs=1)
+    drawn = sorted(w for w, _ in sizes["figs"])
+    assert all(abs(w - box) <= 1 for w, box in sizes["figs"])
+    assert drawn[2] == drawn[3] == pytest.approx(sizes["board"], abs=1)
+    assert drawn[0] == drawn[1] == pytest.approx((sizes["board"] - 8) / 2, abs=1)  # 8 px: the grid's column gap
     assert app.errors == []
     app.frames.append(app.shot())
 

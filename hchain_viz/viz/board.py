@@ -1,0 +1,192 @@
+"""One widget that draws several plotly figures in a grid that fills its output area and reflows.
+
+The explorer used to show four ``go.FigureWidget``\\ s. Measured in JupyterLab (notes of issue 13), that cost more than
+it gave: importing ``FigureWidget`` alone pulls nbformat and jsonschema into the kernel (2–6 s before the first figure),
+every FigureWidget model carries plotly's 5 MB ES module (four imports racing anywidget's 2 s initialisation timeout),
+and their figures have a fixed pixel width (plotly sizes a figure once, before JupyterLab attaches it).
+
+:class:`FigureBoard` is one anywidget model for all the figures:
+
+- its ES module is a few lines, so anywidget's initialisation never waits for plotly; plotly.js (the copy shipped
+  with the ``plotly`` package) travels once per model in :attr:`FigureBoard._plotly_js` and is evaluated once per page;
+- the figures sit in a CSS grid (``rows``: names per row, a row of two splits the width, below 720 px every figure takes
+  a row of its own), and a ResizeObserver re-sizes them whenever the output area changes width (a sidebar opened, a
+  window resized). Figures carry no ``layout.width``; their heights are theirs;
+- the kernel keeps each figure as a ``go.Figure`` (:attr:`figures`) and sends a figure's JSON only when it changed
+  (:meth:`sync`); the page redraws it with ``Plotly.react``. Clicks come back as ``on_click`` callbacks.
+
+Everything shown is in the synced state, so a reloaded page, a second view and a saved notebook all show the current
+figures.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anywidget
+import plotly.graph_objects as go
+import traitlets
+from plotly.io import to_json
+
+__all__ = ["FigureBoard"]
+
+_NARROW_PX = 720  # below this the paired figures stack
+
+_ESM = r"""
+const KEY = "__hchain_viz_plotly__";  // one plotly.js per page, shared by every board
+
+function plotly(model) {
+  if (!globalThis[KEY]) {
+    globalThis[KEY] = new Promise((resolve, reject) => {
+      try {
+        // plotly.min.js is a UMD bundle: hand it a CommonJS `module` so that it neither sets a global nor
+        // registers with a page's AMD loader
+        const module = {exports: {}};
+        new Function("module", "exports", "define", model.get("_plotly_js"))(module, module.exports, undefined);
+        resolve(module.exports);
+      } catch (e) { delete globalThis[KEY]; reject(e); }
+    });
+  }
+  return globalThis[KEY];
+}
+
+function render({ model, el }) {
+  el.classList.add("hcv-board");
+  const panels = {};   // name -> {div, json}
+  let Plotly = null, alive = true;
+  const config = {displaylogo: false, responsive: false, modeBarButtonsToRemove: ["lasso2d", "select2d"]};
+
+  function layoutGrid() {
+    el.replaceChildren();
+    for (const row of model.get("rows")) {
+      for (const name of row) {
+        let p = panels[name];
+        if (!p) {
+          const div = document.createElement("div");
+          div.className = "hcv-panel";
+          div.dataset.name = name;
+          p = panels[name] = {div, json: null};
+        }
+        p.div.classList.toggle("hcv-wide", row.length === 1);
+        el.appendChild(p.div);
+      }
+    }
+  }
+
+  function draw() {
+    if (!Plotly || !alive || el.clientWidth === 0) return;  // hidden (a background tab): drawn when shown
+    const figs = model.get("_figure_json");
+    for (const [name, p] of Object.entries(panels)) {
+      const json = figs[name];
+      if (json === undefined || json === p.json) continue;
+      const fig = JSON.parse(json);
+      const first = p.json === null;
+      p.json = json;
+      Plotly.react(p.div, fig.data, fig.layout, config).then(() => {
+        if (first) {
+          p.div.on("plotly_click", ev => {
+            const pt = ev.points && ev.points[0];
+            if (pt) model.send({event: "click", name, trace: pt.curveNumber, x: pt.x, y: pt.y});
+          });
+        }
+      });
+    }
+  }
+
+  let pending = 0, lastWidth = -1;
+  function resize() {
+    pending = 0;
+    const w = el.clientWidth;
+    if (!alive || w === 0) return;
+    el.classList.toggle("hcv-narrow", w < """ + str(_NARROW_PX) + r""");
+    if (w === lastWidth) return;
+    lastWidth = w;
+    draw();  // the first time the board has a width: draw what waited
+    for (const p of Object.values(panels)) {
+      if (p.json !== null && p.div.clientWidth > 0) Plotly.Plots.resize(p.div).catch(() => {});
+    }
+  }
+  const observer = new ResizeObserver(() => { if (!pending) pending = requestAnimationFrame(resize); });
+
+  layoutGrid();
+  model.on("change:rows", () => { layoutGrid(); lastWidth = -1; resize(); });
+  model.on("change:_figure_json", draw);
+  plotly(model).then(P => { Plotly = P; observer.observe(el); resize(); },
+                     e => { el.textContent = "hchain_viz: plotly.js failed to load: " + e; });
+  return () => {
+    alive = false;
+    observer.disconnect();
+    if (Plotly) for (const p of Object.values(panels)) Plotly.purge(p.div);
+  };
+}
+
+export default { render };
+"""
+
+_CSS = """
+.hcv-board { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 4px 8px; width: 100%;
+             min-width: 0; box-sizing: border-box; }
+.hcv-board .hcv-panel { min-width: 0; overflow: hidden; }
+.hcv-board .hcv-panel.hcv-wide, .hcv-board.hcv-narrow .hcv-panel { grid-column: 1 / -1; }
+/* a label kept to one line (widgets around it add this class): cut with an ellipsis, never wrapped */
+.hcv-oneline, .hcv-oneline * { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+"""
+
+
+@functools.cache
+def _plotly_js() -> str:
+    """The plotly.js bundle of the installed ``plotly`` package (the one its figures are written for)."""
+    import plotly
+
+    return (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_text(encoding="utf-8")
+
+
+class FigureBoard(anywidget.AnyWidget):
+    """Plotly figures in a grid that fills the output area: ``FigureBoard({"a": fa, "b": fb}, rows=[["a", "b"]])``.
+
+    Change a figure in place (``board.figures["a"]``) and call :meth:`sync`; :meth:`on_click` registers a callback for
+    clicks on one figure.
+    """
+
+    _esm = _ESM
+    _css = _CSS
+    _plotly_js = traitlets.Unicode().tag(sync=True)
+    # names of the figures, row by row: a row of one spans the width, a row of two splits it
+    rows = traitlets.List(traitlets.List(traitlets.Unicode())).tag(sync=True)
+    # name -> the figure's plotly JSON, as last sent by sync()
+    _figure_json = traitlets.Dict(key_trait=traitlets.Unicode(), value_trait=traitlets.Unicode()).tag(sync=True)
+
+    def __init__(self, figures: dict[str, go.Figure], rows: Sequence[Sequence[str]] | None = None, **kwargs: Any):
+        names = [n for row in rows for n in row] if rows is not None else list(figures)
+        unknown = sorted(set(names) - set(figures))
+        if unknown:
+            raise ValueError(f"rows name figures the board does not have: {unknown}")
+        self.figures = dict(figures)
+        self._click: dict[str, list[Callable[[dict], None]]] = {}
+        super().__init__(_plotly_js=_plotly_js(), rows=[list(r) for r in (rows or [[n] for n in figures])],
+                         _figure_json={n: _json(f) for n, f in self.figures.items()}, **kwargs)
+        self.on_msg(self._on_msg)
+
+    def sync(self, names: Sequence[str] | None = None) -> None:
+        """Send the figures ``names`` (default: all) whose JSON changed since the last sync; one message."""
+        new = dict(self._figure_json)
+        for n in self.figures if names is None else names:
+            new[n] = _json(self.figures[n])
+        if new != self._figure_json:
+            self._figure_json = new
+
+    def on_click(self, name: str, callback: Callable[[dict], None]) -> None:
+        """Call ``callback({"trace": index, "x": x, "y": y})`` when a point of figure ``name`` is clicked."""
+        self._click.setdefault(name, []).append(callback)
+
+    def _on_msg(self, _widget: Any, content: dict, _buffers: Any) -> None:
+        if isinstance(content, dict) and content.get("event") == "click":
+            for cb in self._click.get(content.get("name"), []):
+                cb(content)
+
+
+def _json(fig: go.Figure) -> str:
+    return to_json(fig, validate=False)
