@@ -1,9 +1,10 @@
-"""Command line: ``python -m hchain_viz {demo,profile,solve,bench}``.
+"""Command line: ``python -m hchain_viz {demo,profile,solve,fit,bench}``.
 
 - ``demo``: profile the default demo model, print a summary table, write a standalone HTML explorer.
 - ``profile MODEL``: profile a built-in model (``resnet_chain``) or ``module:function`` and write a Chain JSON.
 - ``solve CHAIN.json``: print the time-vs-memory frontier and write the optimal schedule JSON for ``--budget``.
-- ``bench NAME``: run a benchmark (solver, profile, train, widget, models, offload) and print its table.
+- ``fit MODEL --device-memory 24GiB``: will a training step fit? The largest batch per strategy on that device.
+- ``bench NAME``: run a benchmark (solver, profile, train, widget, models, fit, offload) and print its table.
 """
 
 from __future__ import annotations
@@ -131,6 +132,104 @@ def cmd_solve(args: argparse.Namespace) -> None:
               f"{trace.n_recomputed} recomputed forwards\n{schedule}\nwrote {args.out}")
 
 
+#: ``--optimizer`` choices: a name -> a factory on the model's parameters (default hyperparameters; the memory does
+#: not depend on them).
+OPTIMIZERS = {
+    "sgd": lambda ps, torch: torch.optim.SGD(ps, lr=0.01),
+    "sgd-momentum": lambda ps, torch: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+    "adam": lambda ps, torch: torch.optim.Adam(ps),
+    "adamw": lambda ps, torch: torch.optim.AdamW(ps),
+}
+
+
+def _make_batch(spec: str):
+    """``make_batch(b) -> (input, loss_fn)`` for a built-in model name or ``module:function`` taking ``batch=``."""
+    if ":" not in spec:
+        from .runtime import models
+
+        return lambda b: models.demo_model(spec, batch=b)[1:]
+
+    def make(b: int):
+        out = _load_model_with(spec, batch=b)
+        return out[1], out[2]
+    return make
+
+
+def _load_model_with(spec: str, **kwargs: Any) -> tuple[Any, Any, Any]:
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise HChainError(f"cannot import {spec!r}: {e}; give 'package.module:function'") from None
+    try:
+        result = fn(**kwargs)
+    except TypeError as e:
+        raise HChainError(f"{spec} must accept {', '.join(kwargs)}= for this command ({e})") from None
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise HChainError(f"{spec} must return (model, sample_input) or (model, sample_input, loss_fn)")
+    return result if len(result) == 3 else (*result, None)
+
+
+def fit_rows(chain, device_memory: Any, margin: float) -> list[tuple[str, ...]]:
+    """One row per strategy: the largest batch that fits, its step time, throughput and whole-step peak."""
+    from .core import device
+    from .core.simulate import simulate
+    from .core.units import format_bytes, format_time
+
+    rows = []
+    for name in device.BATCH_STRATEGIES:
+        p = device.largest_batch(chain, device_memory, name, margin)
+        if p is None:
+            rows.append((name, "none", "", "", "", ""))
+            continue
+        n = simulate(chain.at_batch(p.batch), p.schedule).n_recomputed
+        segments = p.schedule.meta.get("segments")
+        detail = (f"{segments} segments, " if segments else "") + (f"{n} recomputed" if n else "no recomputation")
+        rows.append((name, str(p.batch), format_time(p.makespan), f"{p.throughput:,.0f}", format_bytes(p.device_peak),
+                     detail))
+    return rows
+
+
+def cmd_fit(args: argparse.Namespace) -> None:
+    import torch
+
+    from .core import device
+    from .core.units import format_bytes, parse_bytes
+    from .runtime.batch import profile_batches
+
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        raise HChainError(f"--batches must be comma-separated whole numbers like 8,16, got {args.batches!r}") from None
+    usable = device.usable_memory(args.device_memory, args.margin)  # checks both before the long part
+    make = _make_batch(args.model)
+    model = (_load_model_with(args.model, batch=batches[0]) if ":" in args.model else
+             __import__("hchain_viz.runtime.models", fromlist=["demo_model"]).demo_model(args.model))[0]
+    if args.device:
+        model = model.to(args.device)
+        inner = make
+        make = lambda b: tuple(v.to(args.device) if isinstance(v, torch.Tensor) else v for v in inner(b))  # noqa: E731
+    opt = OPTIMIZERS[args.optimizer](model.parameters(), torch)
+    print(f"Profiling {args.model} at batch sizes {', '.join(map(str, batches))} with {type(opt).__name__} ...")
+    chain = profile_batches(model, make, batches, check=args.check, optimizer=opt, world_size=args.world_size,
+                            repeats=args.repeats, progress=not args.quiet)
+    if args.out:
+        chain.to_json(args.out)
+    check = chain.meta.get("batch_fit_check")
+    if check:
+        print(f"fit checked at batch {check['batch']} (not used for the fit): store-all activation peak "
+              f"{100 * check['store_all_peak']:+.1f}%, step time {100 * check['store_all_time']:+.1f}%, largest "
+              f"single-size error {100 * check['size_max']:.1f}%")
+    print(f"fixed part per rank: {chain.fixed.describe()}; optimizer step transient "
+          f"{format_bytes(chain.fixed.step_tmp_per_rank)}")
+    print(f"device {format_bytes(parse_bytes(args.device_memory))}, margin {100 * args.margin:g}% "
+          f"({format_bytes(usable)} usable), world size {args.world_size}\n")
+    print_table(("strategy", "largest batch", "step time", "samples/s", "device peak", "schedule"),
+                fit_rows(chain, args.device_memory, args.margin), left=1, rule=True)
+    if args.out:
+        print(f"\nwrote the fitted chain to {args.out}")
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from . import bench
 
@@ -162,6 +261,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slots", type=int, default=500, help="DP memory resolution (default: %(default)s)")
     s.add_argument("--out", default="schedule.json", help="schedule JSON to write (default: %(default)s)")
     s.set_defaults(func=cmd_solve)
+    f = sub.add_parser("fit", help="will a training step fit a device: the largest batch per strategy")
+    f.add_argument("model", help="built-in model name or package.module:function taking batch= and returning "
+                                 "(model, input[, loss_fn])")
+    f.add_argument("--device-memory", required=True, help="device memory, like 24GiB or 80GiB (GB = 10^9 bytes)")
+    f.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: %(default)s)")
+    f.add_argument("--world-size", type=int, default=1, help="ranks sharding parameters, gradients and optimizer "
+                                                             "state, FSDP-style (default: %(default)s)")
+    f.add_argument("--margin", type=float, default=0.05, help="fraction of the device kept free for the allocator "
+                                                             "(default: %(default)s)")
+    f.add_argument("--batches", default="8,16", help="batch sizes to profile and fit (default: %(default)s)")
+    f.add_argument("--check", type=int, default=None, help="held-out batch size checking the fit (default: the "
+                                                          "largest plus the smallest; 0: none)")
+    f.add_argument("--device", default=None, help="cpu or cuda (default: where the model is)")
+    f.add_argument("--repeats", type=int, default=3, help="timed repeats per stage (default: %(default)s)")
+    f.add_argument("--out", default=None, help="also write the fitted Chain JSON here")
+    f.add_argument("--quiet", action="store_true", help="no progress bars")
+    f.set_defaults(func=cmd_fit)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
     b.add_argument("name", choices=BENCHMARKS, help="which benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")

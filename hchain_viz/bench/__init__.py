@@ -5,6 +5,7 @@
 - ``train``: optimal schedules vs PyTorch's checkpoint_sequential at equal measured memory.
 - ``widget``: server-side time of one explorer budget change.
 - ``models``: automatic chain extraction on real architectures.
+- ``fit``: whole-step peaks and largest batch sizes, predicted vs measured (will it fit, DESIGN §7).
 - ``offload``: remat-only vs remat+offload makespans at three links, in simulation (GPU-like times).
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-BENCHMARKS = ("solver", "profile", "train", "widget", "models", "offload")
+BENCHMARKS = ("solver", "profile", "train", "widget", "models", "fit", "offload")
 
 
 def print_table(head: Sequence[object], rows: Sequence[Sequence[object]], *, left: int = 0, rule: bool = False) -> None:

@@ -54,7 +54,7 @@ def run(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m hchain_viz bench offload", description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", default="H100", help="GPU of the roofline estimate for the demo models")
     ap.add_argument("--grid", type=positive_int, default=None,
-                    help="budgets precomputed by the offload solver (default: its own, ~2000 / L)")
+                    help="budgets precomputed by the offload solver (default: its own, 48)")
     ap.add_argument("--changes", type=positive_int, default=20, help="budget changes timed at L = 50")
     args = ap.parse_args(argv)
 

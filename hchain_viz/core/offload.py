@@ -257,8 +257,9 @@ class OffloadSolution:
 
 
 def default_grid_size(chain: Chain) -> int:
-    """Budgets precomputed by default: fine for short chains (cheap), coarser for long ones."""
-    return int(min(128, max(32, 2000 // chain.length)))
+    """Budgets precomputed by default (each costs a few simulated fits; ~3–10 s in all at L = 12..50 on 2 busy
+    cores)."""
+    return 48
 
 
 def _grid(remat: Any, top: int, n: int) -> list[int]:
@@ -320,8 +321,8 @@ def solve_offload(chain: Chain, max_budget: int | str | None = None, slots: int 
     """Solve ``chain`` for remat + offload at ``grid`` budgets (see the module docstring for the algorithm).
 
     ``chain.bandwidth`` must be set (``chain.with_bandwidth("pcie5")``). ``grid``: how many budgets to precompute
-    (see :func:`_grid`; each costs a few fits, ~0.1-0.5 s at L = 50; default: about 2000 / L, between 32 and 128),
-    or the budgets themselves (bytes).
+    (see :func:`_grid`; each costs a few fits, ~0.1-0.5 s at L = 50; default 48), or the budgets themselves
+    (bytes).
     ``remat``: a remat-only Solution of this chain to build on (default: ``solve(chain, max_budget, slots)``).
     """
     from .solver import _check_chain, solve

@@ -593,7 +593,7 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
 
     ``offload=True``: also offload to host memory over ``chain.bandwidth`` (DESIGN §9) and return an
     :class:`~hchain_viz.core.offload.OffloadSolution` with the same ``makespan`` / ``schedule`` / ``frontier``
-    methods, precomputed at ``grid`` budgets (default ~2000 / L; see ``core/offload.py``: a heuristic judged by the
+    methods, precomputed at ``grid`` budgets (default 48; see ``core/offload.py``: a heuristic judged by the
     simulator, never slower than this remat-only optimum).
 
     ``max_budget``: bytes (int) or text like ``"300MiB"``; default the store-all peak, above which nothing gets

@@ -15,6 +15,15 @@ figures and has the board send the changed ones to the page. Slider events are t
 Programmatic control mirrors the controls: ``explorer.budget = nbytes``, ``explorer.strategy = "revolve"``,
 ``explorer.overlay = "sqrt_n"``, ``explorer.step = k``; ``explorer.figures`` maps names to the figures.
 ``explorer.close()`` releases its widgets; a new explorer closes the ones it replaces (same chain, same cell).
+
+Will it fit (DESIGN §7): for a chain that knows its fixed part (``hcv.profile(..., optimizer=opt)``) the explorer
+adds a device panel — a preset or custom device size, the allocator margin, and the memory axis: ``activations``
+(the budget of §3) or ``whole step`` (slider and frontier in device bytes, the fixed part drawn as a band). Picking a
+device sets the budget to the fastest schedule whose whole step fits, or says plainly that nothing fits. For a chain
+with a batch-size fit (``hcv.profile_batches``) a batch-size box re-solves at another batch size, and a fifth figure
+shows throughput against the batch size on the chosen device, marking the largest batch of each strategy.
+Programmatically: ``explorer.device_memory = "24GiB"``, ``explorer.margin = 0.1``, ``explorer.axis = "device"``,
+``explorer.batch = 64``.
 """
 
 from __future__ import annotations
@@ -25,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
+from ..core import device as D
 from ..core.chain import Chain
 from ..core.schedule import Schedule
 from ..core.simulate import simulate
 from ..core.strategies import STRATEGIES
 from ..core.units import format_bytes, format_time, parse_bytes
-from ..errors import DependencyError, HChainError, InfeasibleBudget
+from ..errors import DependencyError, DoesNotFit, HChainError, InfeasibleBudget
 from . import figures as F
 from . import style
 from .throttle import Throttle
@@ -105,31 +115,35 @@ class Explorer:
     width:
         Largest width of the explorer in pixels; by default it fills its output area and follows it when that area
         changes width (the frontier and the memory curve share a row, stacked below 720 px).
+    device_memory, margin, axis:
+        The device (bytes or text like ``"24GiB"``), allocator margin (a fraction) and memory axis
+        (``"activations"`` or ``"device"``) of the device panel; only for chains with a fixed part.
     """
 
     def __init__(self, chain: Chain, model: Any = None, *, solution: Any = None, budget: int | str | None = None,
-                 strategy: str = OPTIMAL, baselines: Any = None, throttle_ms: float = 60.0, width: int | None = None):
+                 strategy: str = OPTIMAL, baselines: Any = None, throttle_ms: float = 60.0, width: int | None = None,
+                 device_memory: int | str | None = None, margin: float = D.DEFAULT_MARGIN, axis: str = "activations"):
         if not isinstance(chain, Chain):
             raise HChainError(f"Explorer needs a Chain (from hcv.profile or hcv.Chain), got {type(chain).__name__}; "
                               "for a model use hcv.explore(model, sample_input)")
-        if solution is None:
-            from ..core.solver import solve
-
-            solution = solve(chain)
-        elif getattr(solution, "chain", None) != chain:
+        if solution is not None and getattr(solution, "chain", None) != chain:
             raise HChainError("the solution was solved for another chain; pass solution=hcv.solve(chain) for this one")
-        if solution.min_budget is None:
-            raise HChainError(f"no schedule fits up to max_budget = {format_bytes(solution.max_budget)}; solve "
-                              "again with a larger max_budget (the default, store-all's peak, always works)")
-        self.chain = chain
         self.model = model
-        self.solution = solution
-        self.min_budget = int(solution.min_budget)
-        self.max_budget = int(max(getattr(solution, "store_all_peak", solution.max_budget), self.min_budget))
-        self._unit = style.byte_unit(self.max_budget)  # one unit for every hover, so templates never change
         self._strategies = [OPTIMAL, *STRATEGIES]
-        self._frontier = F.FrontierData.of(solution, baselines)
-        self._cache: OrderedDict[tuple[str, int], tuple[TraceView, str]] = OrderedDict()
+        self._baselines = baselines
+        self._base_chain = chain  # the chain as given: batch sizes are taken from its fit
+        self._device: int | None = None  # bytes of the chosen device (None: no device chosen)
+        self._margin = D.DEFAULT_MARGIN
+        self._axis = "activations"
+        self._device_note = ""
+        self._device_fits = True
+        self._throughput_fig: go.Figure | None = None
+        if axis not in ("activations", "device"):
+            raise HChainError(f"axis must be 'activations' or 'device', got {axis!r}")
+        if (device_memory is not None or axis == "device") and chain.fixed is None:
+            raise HChainError("the device panel needs the chain's fixed part: profile with the optimizer, "
+                              "hcv.profile(model, x, loss_fn, optimizer=opt)")
+        self._set_chain(chain, solution)
 
         self._budget = self._check_budget(budget if budget is not None else (self.min_budget + self.max_budget) // 2)
         self._strategy = self._check_strategy(strategy)
@@ -144,7 +158,30 @@ class Explorer:
                               f"output area), got {width!r}")
         self._build_widgets(throttle_ms / 1000.0, width)
         self._draw_budget()
+        if self.chain.fixed is not None:
+            self._margin = self._check_margin(margin)
+            self._axis = axis
+            if device_memory is not None:
+                self._set_device(device_memory)
+            self._redraw_all()
         self._replace_stale()
+
+    def _set_chain(self, chain: Chain, solution: Any = None) -> None:
+        """Solve ``chain`` (unless ``solution`` is given) and reset everything that depends on it."""
+        if solution is None:
+            from ..core.solver import solve
+
+            solution = solve(chain)
+        if solution.min_budget is None:
+            raise HChainError(f"no schedule fits up to max_budget = {format_bytes(solution.max_budget)}; solve "
+                              "again with a larger max_budget (the default, store-all's peak, always works)")
+        self.chain = chain
+        self.solution = solution
+        self.min_budget = int(solution.min_budget)
+        self.max_budget = int(max(getattr(solution, "store_all_peak", solution.max_budget), self.min_budget))
+        self._unit = style.byte_unit(self.max_budget)  # one unit for every hover, so templates never change
+        self._frontier = F.FrontierData.of(solution, self._baselines)
+        self._cache: OrderedDict[tuple[str, int], tuple[TraceView, str]] = OrderedDict()
 
     # ------------------------------------------------------------------------------------------ public state
     @property
@@ -189,6 +226,112 @@ class Explorer:
             raise HChainError(f"step must be an integer in 0..{n} (ops of the current schedule), got {k!r}")
         self._step = k
         self._draw_step()
+
+    # ---------------------------------------------------------------- will it fit (DESIGN §7)
+    @property
+    def device_memory(self) -> int | None:
+        """The device chosen in the device panel (bytes), or None. Setting it (bytes, text like ``"24GiB"``, or a
+        :data:`~hchain_viz.core.device.DEVICE_PRESETS` label) moves the budget to the fastest schedule whose whole
+        step fits; when nothing fits, the budget stays and the panel says so (see :attr:`device_note`)."""
+        return self._device
+
+    @device_memory.setter
+    def device_memory(self, value: int | str | None) -> None:
+        self._need_fixed()
+        self._set_device(value)
+        self._redraw_all()
+
+    @property
+    def device_note(self) -> str:
+        """What the device panel says: the schedule chosen for the device, or why nothing fits ("" without device)."""
+        return self._device_note
+
+    @property
+    def margin(self) -> float:
+        """The allocator margin, a fraction of the device memory kept free."""
+        return self._margin
+
+    @margin.setter
+    def margin(self, value: float) -> None:
+        self._need_fixed()
+        self._margin = self._check_margin(value)
+        if self._device is not None:
+            self._set_device(self._device)
+        self._redraw_all()
+
+    @property
+    def axis(self) -> str:
+        """``"activations"`` (the slider and the frontier in activation bytes, DESIGN §3) or ``"device"`` (in bytes
+        of the whole step: the fixed part plus activations)."""
+        return self._axis
+
+    @axis.setter
+    def axis(self, value: str) -> None:
+        self._need_fixed()
+        if value not in ("activations", "device"):
+            raise HChainError(f"axis must be 'activations' or 'device', got {value!r}")
+        self._axis = value
+        self._redraw_all()
+
+    @property
+    def batch(self) -> int | None:
+        """The batch size shown (for a chain with a batch-size fit). Setting it re-solves at that size."""
+        return self.chain.batch
+
+    @batch.setter
+    def batch(self, value: int) -> None:
+        if self._base_chain.batch_fit is None:
+            raise HChainError("this chain has no batch-size fit; profile it with hcv.profile_batches(...)")
+        self._set_chain(self._base_chain.at_batch(value))
+        self._budget = min(max(self._budget, self.min_budget), self.max_budget)
+        if self._device is not None:
+            self._set_device(self._device)
+        self._redraw_all()
+
+    def _need_fixed(self) -> None:
+        if self.chain.fixed is None:
+            raise HChainError("the device panel needs the chain's fixed part: profile with the optimizer, "
+                              "hcv.profile(model, x, loss_fn, optimizer=opt)")
+
+    def _check_margin(self, value: Any) -> float:
+        D.usable_memory(1, value)  # validates
+        return float(value)
+
+    @property
+    def _offset(self) -> int:
+        """Bytes added to every budget on the slider and the frontier: the fixed part on the device axis."""
+        return self.chain.fixed.total_per_rank if self._axis == "device" and self.chain.fixed is not None else 0
+
+    def _set_device(self, value: int | str | None) -> None:
+        """Choose a device: the budget becomes that of the fastest schedule whose whole step fits it."""
+        if value is None:
+            self._device, self._device_note, self._device_fits, self._throughput_fig = None, "", True, None
+            return
+        if isinstance(value, str) and value in D.DEVICE_PRESETS:
+            value = D.DEVICE_PRESETS[value]
+        dev = parse_bytes(value)
+        usable = D.usable_memory(dev, self._margin)
+        self._device = dev
+        if self._base_chain.batch_fit is not None:  # throughput against the batch size on this device
+            self._throughput_fig = F.throughput(self._base_chain, dev, margin=self._margin)
+            b = self.chain.batch
+            self._throughput_fig.add_vline(x=b, line=dict(color=style.BUDGET_COLOR, dash="dot"),
+                                           annotation_text=f"batch {b}")
+        head = (f"{format_bytes(dev)} device, {100 * self._margin:g}% margin: {format_bytes(usable)} usable; fixed "
+                f"part {self.chain.fixed.describe()}")
+        try:
+            sched = self.solution.schedule(device_memory=dev, margin=self._margin)
+        except DoesNotFit as e:
+            self._device_fits = False
+            self._device_note = f"{e}"[0].upper() + f"{e}"[1:]
+            return
+        self._device_fits = True
+        budget = min(max(int(sched.meta.get("budget", self.max_budget)), self.min_budget), self.max_budget)
+        self._budget = budget
+        self._strategy = OPTIMAL
+        peak = simulate(self.chain, sched).device_peak
+        self._device_note = (f"{head}. Fits: the optimal schedule at {format_bytes(budget)} of activations, "
+                             f"whole-step peak {format_bytes(peak)} ({100 * peak / dev:.0f}% of the device)")
 
     @property
     def schedule(self) -> Schedule:
@@ -321,6 +464,7 @@ class Explorer:
         self._path = W.Text(value="schedule.json", description="file", layout=W.Layout(width="300px"))
         self._save = W.Button(description="Save schedule", icon="download")
         self._save_label = W.HTML()
+        device_row = self._build_device_widgets()
 
         self._throttled_budget = Throttle(self._on_budget_slider, throttle_s)
         self._budget_slider.observe(lambda ch: self._syncing or self._throttled_budget(ch["new"]), "value")
@@ -329,18 +473,8 @@ class Explorer:
         self._step_slider.observe(lambda ch: self._syncing or self._on_step_slider(ch["new"]), "value")
         self._save.on_click(lambda _: self._on_save())
 
-        fd = self._frontier
-        # No widths: the board sizes every figure to its grid cell, and again whenever the output area changes.
-        self._figs = {
-            "frontier": go.Figure(data=F.frontier_traces(fd, self._budget, self._unit), layout=F.frontier_layout(fd)),
-            "memory": go.Figure(data=F.memory_traces(self._view, self._budget, None, None, self._unit),
-                                layout=F.memory_layout(self._view, self._budget)),
-            "timeline": go.Figure(data=F.timeline_traces(self._view, None, self._unit),
-                                  layout=F.timeline_layout(self._view)),
-            "tape": go.Figure(data=F.tape_traces(self._view, None, self._unit), layout=F.tape_layout(self._view)),
-        }
-        self._n_frontier_curves = 1 + len(fd.baselines)  # optimal + baselines; the budget marks come after them
-        self._board = FigureBoard(self._figs, rows=[["frontier", "memory"], ["timeline"], ["tape"]])
+        self._figs = self._make_figures()
+        self._board = FigureBoard(self._figs, rows=self._rows())
         self._board.on_click("frontier", self._on_frontier_click)
 
         L = self.chain.length
@@ -354,15 +488,157 @@ class Explorer:
             W.HBox([self._strategy_dd, self._overlay_dd], layout=W.Layout(**row)),
             W.HBox([self._play, self._step_slider], layout=W.Layout(**row)),
             self._step_label,
+            *device_row,
             self._stats,
             self._board,
             W.HBox([self._path, self._save, self._save_label], layout=W.Layout(**row)),
         ], layout=W.Layout(width="100%", min_width="0", max_width=None if width is None else f"{width}px"))
         self._layout.add_class("hcv-explorer")
 
+    def _make_figures(self) -> dict[str, go.Figure]:
+        """Every figure from scratch for the current chain, budget and axis."""
+        fd = self._frontier
+        # No widths: the board sizes every figure to its grid cell, and again whenever the output area changes.
+        figs = {
+            "frontier": go.Figure(data=self._frontier_traces(F.frontier_traces(fd, self._budget, self._unit)),
+                                  layout=self._frontier_layout()),
+            "memory": go.Figure(data=F.memory_traces(self._view, self._budget, None, None, self._unit),
+                                layout=F.memory_layout(self._view, self._budget)),
+            "timeline": go.Figure(data=F.timeline_traces(self._view, None, self._unit),
+                                  layout=F.timeline_layout(self._view)),
+            "tape": go.Figure(data=F.tape_traces(self._view, None, self._unit), layout=F.tape_layout(self._view)),
+        }
+        if self._throughput_fig is not None:
+            figs["throughput"] = self._throughput_fig
+        self._n_frontier_curves = 1 + len(fd.baselines)  # optimal + baselines; the budget marks come after them
+        return figs
+
+    def _rows(self) -> list[list[str]]:
+        rows = [["frontier", "memory"], ["timeline"], ["tape"]]
+        return rows + [["throughput"]] if self._throughput_fig is not None else rows
+
+    def _frontier_traces(self, traces: list[dict]) -> list[dict]:
+        """Frontier traces on the current axis: budgets moved by the fixed part on the device axis."""
+        off = self._offset
+        if not off:
+            return traces
+        return [{**t, "x": [v + off for v in t["x"]]} if "x" in t else t for t in traces]
+
+    def _frontier_layout(self) -> dict:
+        """The frontier's layout; on the device axis: in device bytes from 0, the fixed part a band, the device and
+        its usable part lines."""
+        lay = F.frontier_layout(self._frontier)
+        off = self._offset
+        if self.chain.fixed is None or (not off and self._device is None):
+            return lay
+        x_lo, x_hi = self._frontier.x_range
+        shapes = [dict(sh, x0=sh["x0"] + off, x1=sh["x1"] + off) for sh in lay.get("shapes", [])]
+        notes = [dict(a, x=a["x"] + off) for a in lay.get("annotations", [])]
+        lo = 0 if off else x_lo
+        hi = x_hi + off
+        if off:
+            shapes.append(dict(type="rect", xref="x", yref="paper", x0=0, x1=off, y0=0, y1=1, layer="below",
+                               fillcolor="rgba(148, 103, 189, 0.25)", line_width=0))
+            notes.append(dict(x=off / 2, y=0.95, xref="x", yref="paper", showarrow=False,
+                              text=f"fixed {format_bytes(off)}", font=dict(color="#5b3f8c")))
+        if self._device is not None:  # on the activation axis the device lines sit at what is left for activations
+            base = 0 if off else self.chain.fixed.total_per_rank
+            for x, dash, text in ((D.usable_memory(self._device, self._margin) - base, "dash", "usable"),
+                                  (self._device - base, "solid", "device")):
+                shapes.append(dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1,
+                                   line=dict(color="#d62728", dash=dash, width=1.5)))
+                notes.append(dict(x=x, y=1.0, xref="x", yref="paper", showarrow=False, text=text, yanchor="bottom",
+                                  font=dict(color="#d62728")))
+                hi = max(hi, x)
+        lay["xaxis"] = dict(style.byte_axis(lo, hi, "device memory" if off else ""), range=[lo, hi * 1.02])
+        lay["shapes"], lay["annotations"] = shapes, notes
+        if off:
+            lay["title"] = dict(lay["title"], text=f"Makespan vs device memory (fixed part {format_bytes(off)} + "
+                                                   f"activations)")
+        return lay
+
+    def _redraw_all(self) -> None:
+        """After a change of chain, device or axis: every control and figure from the current state."""
+        self._view, self._note = self._view_for(self._strategy, self._budget)
+        self._overlay_view = None if self._overlay is None else self._view_for(self._overlay, self._budget)[0]
+        self._step = self._view.n
+        off = self._offset
+        self._syncing = True
+        try:
+            lo, hi = self.min_budget + off, self.max_budget + off
+            self._budget_slider.min = min(self._budget_slider.min, lo)  # keep min <= max while moving both
+            self._budget_slider.max = max(hi, lo + 1)
+            self._budget_slider.min = lo
+            self._budget_slider.step = max(1, (hi - lo) // 1000)
+            self._budget_slider.description = "device" if off else "budget"
+            if self._device_widgets:
+                self._axis_tb.value = self._axis
+                self._margin_slider.value = self._margin
+                if self._batch_box is not None:
+                    self._batch_box.value = self.chain.batch
+        finally:
+            self._syncing = False
+        self._figs = self._make_figures()
+        self._board.figures = dict(self._figs)
+        self._board.rows = self._rows()
+        self._draw_budget(frontier=False)
+        self._device_label.value = self._device_html()
+
+    def _device_html(self) -> str:
+        if self.chain.fixed is None:
+            return ""
+        if not self._device_note:
+            return ("<i>choose a device to see whether a training step fits (fixed part "
+                    f"{html.escape(self.chain.fixed.describe())})</i>")
+        bad = not self._device_fits
+        return f"<div style='color:{'#c00' if bad else '#060'}'>{html.escape(self._device_note)}</div>"
+
+    def _build_device_widgets(self) -> list[W.Widget]:
+        """The device panel (presets, custom size, margin, axis) and the batch-size box; none without a fixed part."""
+        self._device_widgets = self.chain.fixed is not None
+        self._batch_box = None
+        self._device_label = W.HTML()
+        if not self._device_widgets:
+            return []
+        options = [("none", 0)] + [(k, v) for k, v in D.DEVICE_PRESETS.items()] + [("custom", -1)]
+        self._device_dd = W.Dropdown(options=options, value=0, description="device", layout=W.Layout(width="300px"))
+        self._custom = W.Text(placeholder="custom, e.g. 20GiB", layout=W.Layout(width="160px"),
+                              continuous_update=False)
+        self._margin_slider = W.FloatSlider(value=self._margin, min=0.0, max=0.3, step=0.01, description="margin",
+                                            readout_format=".0%", continuous_update=False)
+        self._axis_tb = W.ToggleButtons(options=[("activations", "activations"), ("whole step", "device")],
+                                        value=self._axis, description="axis")
+        self._device_dd.observe(lambda ch: self._syncing or self._on_device(ch["new"]), "value")
+        self._custom.observe(lambda ch: self._syncing or self._on_device(-1), "value")
+        self._margin_slider.observe(lambda ch: self._syncing or setattr(self, "margin", ch["new"]), "value")
+        self._axis_tb.observe(lambda ch: self._syncing or setattr(self, "axis", ch["new"]), "value")
+        row = dict(flex_flow="row wrap", align_items="center", width="100%")
+        items = [self._device_dd, self._custom, self._margin_slider, self._axis_tb]
+        if self.chain.batch_fit is not None:
+            self._batch_box = W.BoundedIntText(value=self.chain.batch, min=1, max=2**24, description="batch",
+                                               layout=W.Layout(width="180px"))
+            self._batch_box.observe(lambda ch: self._syncing or setattr(self, "batch", ch["new"]), "value")
+            items.append(self._batch_box)
+        return [W.HBox(items, layout=W.Layout(**row)), self._device_label]
+
+    def _on_device(self, choice: int) -> None:
+        if choice == 0:
+            self.device_memory = None
+            return
+        if choice == -1:
+            text = self._custom.value.strip()
+            if not text:
+                return
+            try:
+                self.device_memory = text
+            except HChainError as e:
+                self._device_label.value = f"<div style='color:#c00'>{html.escape(str(e))}</div>"
+            return
+        self.device_memory = choice
+
     # ------------------------------------------------------------------------------------------ event handlers
     def _on_budget_slider(self, value: int) -> None:
-        self._budget = self._check_budget(max(int(value), self.min_budget))
+        self._budget = self._check_budget(max(int(value) - self._offset, self.min_budget))
         self._draw_budget()
 
     def _on_step_slider(self, value: int) -> None:
@@ -374,7 +650,7 @@ class Explorer:
         "x", so a click anywhere lands on the curves near the pointer; the budget is where it landed."""
         x = click.get("x")
         if isinstance(x, (int, float)) and np.isfinite(x):
-            self.budget = int(min(max(x, self.min_budget), self.max_budget))
+            self.budget = int(min(max(x - self._offset, self.min_budget), self.max_budget))
 
     def _on_save(self) -> None:
         try:
@@ -392,7 +668,8 @@ class Explorer:
         v = self._view
         self._syncing = True
         try:
-            self._budget_slider.value = min(max(self._budget, self._budget_slider.min), self._budget_slider.max)
+            self._budget_slider.value = min(max(self._budget + self._offset, self._budget_slider.min),
+                                            self._budget_slider.max)
             self._strategy_dd.value = self._strategy
             self._overlay_dd.value = self._overlay or ""
             self._play.max = self._step_slider.max = v.n
@@ -400,13 +677,21 @@ class Explorer:
             self._play.value = self._step_slider.value = v.n
         finally:
             self._syncing = False
-        self._budget_label.value = f"<b>{format_bytes(self._budget)}</b>"
+        off = self._offset
+        self._budget_label.value = (f"<b>{format_bytes(self._budget + off)}</b> = fixed {format_bytes(off)} + "
+                                    f"activations {format_bytes(self._budget)}" if off else
+                                    f"<b>{format_bytes(self._budget)}</b>")
         self._push_views(None)
         if frontier or self._strategy != OPTIMAL:
             tr = v.trace
             point = None if self._strategy == OPTIMAL else (tr.peak_memory, tr.makespan)
-            _push(self._figs["frontier"], F.frontier_budget_traces(self._frontier, self._budget, point),
-                  first=self._n_frontier_curves)
+            if point is not None and self._offset:
+                point = (point[0] + self._offset, point[1])
+            marks = F.frontier_budget_traces(self._frontier, self._budget, point)
+            if self._offset:  # the budget marks sit at the budget: move them with the axis
+                marks = [{**t, "x": [v + self._offset if v is not None else v for v in t["x"]]} if "x" in t else t
+                         for t in marks]
+            _push(self._figs["frontier"], marks, first=self._n_frontier_curves)
         self._board.sync()
         self._draw_stats()
 
@@ -442,16 +727,19 @@ class Explorer:
         rows = [(self._strategy, self._view)]
         if self._overlay_view is not None:
             rows.append((self._overlay, self._overlay_view))
+        whole = self.chain.fixed is not None
         cells = "".join(
             f"<tr><td><b>{html.escape(name)}</b></td><td>{format_time(v.makespan)}</td>"
             f"<td>{100 * v.trace.overhead:+.1f}%</td><td>{format_bytes(v.peak)}</td>"
-            f"<td>{v.trace.n_recomputed}</td><td>{v.n}</td></tr>" for name, v in rows)
+            + (f"<td>{format_bytes(v.trace.device_peak)}</td>" if whole else "")
+            + f"<td>{v.trace.n_recomputed}</td><td>{v.n}</td></tr>" for name, v in rows)
         over = self._view.peak > self._budget
         note = self._note or (f"peak exceeds the budget by {format_bytes(self._view.peak - self._budget)}"
                               if over else "")
         self._stats.value = (
             "<table style='border-collapse:collapse' cellpadding='3'><tr><th>strategy</th><th>makespan</th>"
-            "<th>overhead vs store-all</th><th>peak</th><th>recomputed forwards</th><th>ops</th></tr>"
+            "<th>overhead vs store-all</th><th>peak</th>" + ("<th>whole-step peak</th>" if whole else "")
+            + "<th>recomputed forwards</th><th>ops</th></tr>"
             f"{cells}</table>" + (f"<div style='color:#c00'>{html.escape(note)}</div>" if note else ""))
         self._draw_step_label()
 

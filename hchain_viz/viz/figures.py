@@ -34,7 +34,7 @@ except ImportError as e:  # pragma: no cover - plotly is a hard dependency of th
 
     raise DependencyError("hchain_viz.viz needs plotly; install it with `pip install plotly`") from e
 
-__all__ = ["timeline", "memory_curve", "storage_tape", "frontier"]
+__all__ = ["timeline", "memory_curve", "storage_tape", "frontier", "throughput"]
 
 REMAT_ONLY = "optimal, remat only"  # the remat-only curve beside an OffloadSolution's
 _FUTURE_OPACITY = 0.22  # ops after the step cursor are drawn faint
@@ -500,3 +500,68 @@ def frontier(solution: Any, strategies: Any = None, budget: int | None = None) -
     data = FrontierData.of(solution, strategies)
     name = "optimal + offload" if hasattr(solution, "remat") else "optimal"
     return go.Figure(data=frontier_traces(data, budget, chain_name=name), layout=frontier_layout(data))
+
+
+# ---------------------------------------------------------------------------------------------- will it fit (§7)
+#: Strategy names of the batch-size figure as the legend shows them.
+BATCH_LABELS = {"optimal": "optimal", "store_all": "store-all", "checkpoint_sequential": "checkpoint_sequential"}
+
+
+def throughput_traces(sweep: Mapping[str, Sequence[Any]], largest: Mapping[str, Any] | None = None) -> list[dict]:
+    """One line per strategy of samples/s against the batch size (only where it fits), and a marker at the
+    largest batch it fits. ``sweep``: strategy -> FitPoints (``core.device.batch_sweep``); ``largest``: strategy ->
+    the FitPoint of ``core.device.largest_batch`` (or None when nothing fits)."""
+    traces = []
+    for k, (name, points) in enumerate(sweep.items()):
+        color = style.strategy_color("periodic" if name == "checkpoint_sequential" else name, k)
+        fit = [p for p in points if p.fits]
+        traces.append(dict(type="scatter", mode="lines+markers", name=BATCH_LABELS.get(name, name), legendgroup=name,
+                           x=[p.batch for p in fit], y=[p.throughput for p in fit],
+                           customdata=[[format_time(p.makespan), format_bytes(p.device_peak)] for p in fit],
+                           line=dict(color=color), marker=dict(size=5),
+                           hovertemplate="batch %{x}: %{y:,.0f} samples/s<br>step %{customdata[0]}, device peak "
+                                         "%{customdata[1]}<extra>" + BATCH_LABELS.get(name, name) + "</extra>"))
+        top = None if largest is None else largest.get(name)
+        if top is not None:
+            traces.append(dict(type="scatter", mode="markers+text", name=f"largest batch ({name})", legendgroup=name,
+                               showlegend=False, x=[top.batch], y=[top.throughput], text=[f"max {top.batch}"],
+                               textposition="top center", textfont=dict(color=color),
+                               marker=dict(color=color, size=13, symbol="star"),
+                               hovertemplate=f"largest batch that fits: {top.batch}<br>%{{y:,.0f}} samples/s"
+                                             f"<extra>{BATCH_LABELS.get(name, name)}</extra>"))
+    return traces
+
+
+def throughput_layout(device_memory: int | None = None, margin: float | None = None, title: str | None = None) -> dict:
+    """Layout of the batch-size figure: batch size on a log axis, samples/s on the left."""
+    dev = "" if device_memory is None else f" on {format_bytes(device_memory)}"
+    if device_memory is not None and margin:
+        dev += f" (margin {100 * margin:g}%)"
+    lay = style.base_layout(title or f"Throughput vs batch size{dev}")
+    lay.update(xaxis=dict(type="log", title_text="batch size", zeroline=False),
+               yaxis=dict(title_text="samples/s", rangemode="tozero", zeroline=False), hovermode="closest")
+    return lay
+
+
+def throughput(chain: Any, device_memory: int | str, batches: Sequence[int] | None = None, margin: float = 0.05,
+               strategies: Sequence[str] | None = None) -> go.Figure:
+    """Samples/s against the batch size on a device of ``device_memory``, for the optimal schedule, store-all and
+    ``checkpoint_sequential``; each marks the largest batch it fits.
+
+    ``chain`` must carry a fixed part and a batch-size fit (``hcv.profile_batches(..., optimizer=opt)``);
+    ``batches``: the sizes drawn (default: powers of two up to past the largest fitting batch).
+    """
+    from ..core import device
+    from ..core.units import parse_bytes
+
+    if getattr(chain, "batch_fit", None) is None or getattr(chain, "fixed", None) is None:
+        raise HChainError("throughput() needs a chain with a batch-size fit and a fixed part: profile it with "
+                          "hcv.profile_batches(model, make_batch, sizes, optimizer=opt)")
+    names = tuple(strategies or device.BATCH_STRATEGIES)
+    largest = {s: device.largest_batch(chain, device_memory, s, margin) for s in names}
+    if batches is None:
+        top = max([p.batch for p in largest.values() if p is not None], default=1)
+        batches = [2**k for k in range(0, max(1, (2 * top).bit_length()))]
+    sweep = device.batch_sweep(chain, device_memory, sorted(set(batches)), margin, names)
+    return go.Figure(data=throughput_traces(sweep, largest),
+                     layout=throughput_layout(parse_bytes(device_memory), margin))
