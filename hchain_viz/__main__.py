@@ -195,6 +195,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
 
     from .core import device
     from .core.units import format_bytes, parse_bytes
+    from .runtime import models
     from .runtime.batch import profile_batches
 
     try:
@@ -204,7 +205,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
     usable = device.usable_memory(args.device_memory, args.margin)  # checks both before the long part
     make = _make_batch(args.model)
     model = (_load_model_with(args.model, batch=batches[0]) if ":" in args.model else
-             __import__("hchain_viz.runtime.models", fromlist=["demo_model"]).demo_model(args.model))[0]
+             models.demo_model(args.model))[0]
     if args.device:
         model = model.to(args.device)
         inner = make

@@ -44,15 +44,44 @@ class State(NamedTuple):
     loss_done: bool
     bwd_done: frozenset
     kept: frozenset = frozenset()  # stages whose input a Fck kept: checkpoints until their B (DESIGN §3 as amended)
+    # Tensor identity (DESIGN §8): per shared tensor of ``chain.shared``, the resident values ``(kind, stage)`` that
+    # hold the same copy, as a frozenset of groups (frozensets). A group of n values saves (n - 1) x its bytes.
+    groups: tuple = ()
 
 
 def initial_state(chain: Chain) -> State:
-    """Only x_0, the caller's input, is resident."""
-    return State(frozenset({("x", 0, chain.x[0])}), False, frozenset())
+    """Only x_0, the caller's input, is resident (with its copy of each shared tensor that starts at boundary 0)."""
+    groups = tuple(frozenset({frozenset({("x", 0)})}) if first == 0 else frozenset()
+                   for first, _, _ in chain.shared)
+    return State(frozenset({("x", 0, chain.x[0])}), False, frozenset(), frozenset(), groups)
 
 
-def memory(state: State) -> int:
-    return sum(size for _, _, size in state.res)
+def memory(state: State, chain: Chain | None = None) -> int:
+    """Resident bytes: every value's full size, less (n - 1) copies of a shared tensor that n values hold."""
+    total = sum(size for _, _, size in state.res)
+    if state.groups:
+        total -= sum((len(g) - 1) * nbytes for (_, _, nbytes), gs in zip(chain.shared, state.groups) for g in gs)
+    return total
+
+
+def _hold(chain: Chain, groups: tuple, value: tuple, boundary: int, source: tuple) -> tuple:
+    """``groups`` after the forward whose input is held by ``source`` made ``value`` (boundary value x[boundary]):
+    a shared tensor the input already had is the same copy; one that starts at ``boundary`` is a new one."""
+    out = []
+    for (first, last, _), gs in zip(chain.shared, groups):
+        if first <= boundary <= last:
+            if first < boundary:
+                g = next(g for g in gs if source in g)
+                gs = (gs - {g}) | {g | {value}}
+            else:
+                gs = gs | {frozenset({value})}
+        out.append(gs)
+    return tuple(out)
+
+
+def _release(groups: tuple, value: tuple) -> tuple:
+    """``groups`` once ``value`` is freed."""
+    return tuple(frozenset(g - {value} for g in gs if g - {value}) for gs in groups)
 
 
 def _has(state: State, kind: str, stage: int) -> bool:
@@ -75,11 +104,13 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
     L = chain.length
     x, xbar = chain.x, chain.xbar
     res = set(state.res)
+    mem = memory(state, chain)
+    groups = state.groups
     if kind == "Loss":
         if i != L or state.loss_done or not _has(state, "out", L):
             return None
         res.add(("delta", L, x[L]))
-        return State(frozenset(res), True, state.bwd_done, state.kept), memory(state) + x[L], 0.0
+        return State(frozenset(res), True, state.bwd_done, state.kept, groups), mem + x[L], 0.0
     if not 0 <= i < L:
         return None
     if kind == "B":
@@ -87,21 +118,25 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
             return None
         if not _input_ok(state, i):
             return None
-        peak = memory(state) + x[i] + chain.bwd_tmp[i]
+        peak = mem + x[i] + chain.bwd_tmp[i]
         res.discard(("delta", i + 1, _size(state, "delta", i + 1)))
         res.discard(("xbar", i, _size(state, "xbar", i)))
+        groups = _release(groups, ("xbar", i))
         if i > 0 and _has(state, "x", i):
             res.discard(("x", i, x[i]))
+            groups = _release(groups, ("x", i))
         res.add(("delta", i, x[i]))
-        return State(frozenset(res), True, state.bwd_done | {i}, state.kept - {i}), peak, chain.bwd_time[i]
+        nxt = State(frozenset(res), True, state.bwd_done | {i}, state.kept - {i}, groups)
+        return nxt, peak, chain.bwd_time[i]
     # a forward of stage i
     if i in state.bwd_done or not _input_ok(state, i):
         return None
     if _has(state, "xbar", i) or (i + 1 < L and _has(state, "x", i + 1)):
         return None  # its output is already resident
+    source = ("x", i) if _has(state, "x", i) else ("xbar", i - 1)  # what holds the input x_i
     if kind == "Fall":
         if i == L - 1 and not _has(state, "out", L):
-            new = [("out", L, x[L]), ("xbar", i, xbar[i] - x[L])]
+            new = [("out", L, x[L]), ("xbar", i, xbar[i] - x[L])]  # this x̄ item holds no shared tensor
         else:
             new = [("xbar", i, xbar[i])]
     else:
@@ -113,14 +148,18 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
             new = [("out", L, x[L])]
         else:
             new = [("x", i + 1, x[i + 1])]
-    peak = memory(state) + sum(s for _, _, s in new) + chain.fwd_tmp[i]
+    holder = new[0][:2]  # the value that holds the output x_{i+1}
+    groups = _hold(chain, groups, holder, i + 1, source)
+    res.update(new)
+    during = State(frozenset(res), state.loss_done, state.bwd_done, state.kept, groups)
+    peak = memory(during, chain) + chain.fwd_tmp[i]  # for Fn, the input is still counted during the op
     if kind == "Fn":
         if i == 0 or not _has(state, "x", i) or (i in state.kept and not relaxed):
             return None
         res.discard(("x", i, x[i]))
-    res.update(new)
+        groups = _release(groups, ("x", i))
     kept = state.kept | {i} if kind == "Fck" else state.kept
-    return State(frozenset(res), state.loss_done, state.bwd_done, kept), peak, chain.fwd_time[i]
+    return State(frozenset(res), state.loss_done, state.bwd_done, kept, groups), peak, chain.fwd_time[i]
 
 
 def all_ops(L: int) -> list[Op]:
@@ -153,7 +192,7 @@ def brute_force(chain: Chain, budget: int, *, relaxed: bool = False) -> tuple[fl
     each state is settled once, at its least time.
     """
     start = initial_state(chain)
-    if memory(start) > budget:
+    if memory(start, chain) > budget:
         return INF, None
     ops = all_ops(chain.length)
     tie = itertools.count()
@@ -182,7 +221,7 @@ def brute_frontier(chain: Chain, *, relaxed: bool = False) -> list[tuple[int, fl
     start = initial_state(chain)
     ops = all_ops(chain.length)
     tie = itertools.count()
-    heap = [(0.0, memory(start), next(tie), start)]
+    heap = [(0.0, memory(start, chain), next(tie), start)]
     least_peak: dict = {}
     front: list[tuple[int, float]] = []
     while heap:
@@ -216,7 +255,7 @@ def brute_min_budget(chain: Chain) -> int:
     start = initial_state(chain)
     ops = all_ops(chain.length)
     tie = itertools.count()
-    heap = [(memory(start), next(tie), start)]
+    heap = [(memory(start, chain), next(tie), start)]
     settled = set()
     while heap:
         peak, _, state = heapq.heappop(heap)
@@ -264,8 +303,14 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
     L = chain.length
     S = slots
     up = lambda v: _ceil_div(v * S, max_budget)  # noqa: E731  (bytes -> slots, rounded up)
-    x = [up(v) for v in chain.x] + [0]  # x[L+1] = 0: nothing arrives from beyond the loss
-    xbar = [up(v) for v in chain.xbar]
+    x = [up(v) for v in chain.x] + [0]  # x[L+1] = 0: nothing arrives from beyond the loss (sizes of the δ's)
+
+    def common(i: int, j: int) -> int:
+        """Bytes of the shared tensors that cross every cut i..j (DESIGN §8)."""
+        return sum(nbytes for first, last, nbytes in chain.shared if first <= i and j <= last)
+
+    xs = {(i, j): up(chain.x[j] - common(i, j)) for i in range(L + 1) for j in range(i + 1, L + 1)}  # x_j beside x_i
+    xbar = [up(chain.xbar[i] - common(i, i + 1)) for i in range(L)]  # x̄_{i+1} beside x_i
     ftmp = [up(v) for v in chain.fwd_tmp]
     btmp = [up(v) for v in chain.bwd_tmp]
     fwd, bwd = chain.fwd_time, chain.bwd_time
@@ -284,8 +329,8 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
         return (via_chain, 0) if via_chain < INF else (INF, -1)
 
     def sweep_peak(i: int, end: int) -> int:
-        """max(x[i+1] + ftmp[i], max over i<k<end of x[k] + x[k+1] + ftmp[k])."""
-        return max([x[i + 1] + ftmp[i]] + [x[k] + x[k + 1] + ftmp[k] for k in range(i + 1, end)])
+        """The first forward of each stage i..end-1 holds its input and output beside x_i: their parts not in x_i."""
+        return max([xs[(i, i + 1)] + ftmp[i]] + [xs[(i, k)] + xs[(k, k + 1)] + ftmp[k] for k in range(i + 1, end)])
 
     for m in range(S + 1):
         for span in range(L):
@@ -300,29 +345,31 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
                     via_chain = INF
                     if m >= x[l + 1] + xbar[i] + ftmp[i] and m >= need_b and m >= xbar[i]:
                         via_chain = fwd[i] + bwd[i] + C[(m - xbar[i], i + 1, l)]
-                    leaves = [sum(fwd[i:j]) + C[(m - x[j], j, l)] + C[(m, i, j - 1)] if m >= x[j] else INF
-                              for j in range(i + 1, l + 1)]
+                    leaves = [sum(fwd[i:j]) + C[(m - xs[(i, j)], j, l)] + C[(m, i, j - 1)] if m >= xs[(i, j)]
+                              else INF for j in range(i + 1, l + 1)]
                     best, choice = pick(via_chain, leaves, i)
                 C[(m, i, l)], Cch[(m, i, l)] = best, choice
         D[(m, L)], Dch[(m, L)] = (0.0, 0) if m >= x[L] else (INF, -1)
         for i in range(L - 1, -1, -1):
             best, choice = INF, -1
             if m >= sweep_peak(i, L):
-                need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else x[L])
+                held = xs[(i, L)]  # the output held by the caller, beside x_i (once the left part runs)
+                # during B(i) of the chain option the output's source x_{i+1} is resident too (inside x̄_{i+1})
+                need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[(i + 1, L)])
                 via_chain = INF
                 if m >= xbar[i] + ftmp[i] and m >= need_b:
                     via_chain = fwd[i] + bwd[i] + D[(m - xbar[i], i + 1)]
-                leaves = [sum(fwd[i:j]) + D[(m - x[j], j)] + C[(m - x[L], i, j - 1)] if m >= x[j] and m >= x[L]
-                          else INF for j in range(i + 1, L + 1)]
+                leaves = [sum(fwd[i:j]) + D[(m - xs[(i, j)], j)] + C[(m - held, i, j - 1)]
+                          if m >= xs[(i, j)] and m >= held else INF for j in range(i + 1, L + 1)]
                 best, choice = pick(via_chain, leaves, i)
             D[(m, i)], Dch[(m, i)] = best, choice
-    sizes = {"x": x, "xbar": xbar, "fwd_tmp": ftmp, "bwd_tmp": btmp}
+    sizes = {"x": x, "xs": xs, "xbar": xbar, "fwd_tmp": ftmp, "bwd_tmp": btmp}
     return Twin(C, Cch, D, Dch, sizes, S, up(chain.x[0]))
 
 
 def twin_schedule(twin: Twin, L: int, s: int) -> Schedule:
     """Rebuild the op list for a budget of ``s`` slots by recursion over the twin's choices."""
-    x, xbar = twin.sizes["x"], twin.sizes["xbar"]
+    xs, xbar = twin.sizes["xs"], twin.sizes["xbar"]
     ops: list[Op] = []
 
     def sweep(i: int, j: int) -> None:
@@ -339,7 +386,7 @@ def twin_schedule(twin: Twin, L: int, s: int) -> Schedule:
             ops.append(Op("B", i))
         else:
             sweep(i, j)
-            c(m - x[j], j, l)
+            c(m - xs[(i, j)], j, l)
             c(m, i, j - 1)
 
     def d(m: int, i: int) -> None:
@@ -354,8 +401,8 @@ def twin_schedule(twin: Twin, L: int, s: int) -> Schedule:
             ops.append(Op("B", i))
         else:
             sweep(i, j)
-            d(m - x[j], j)
-            c(m - x[L], i, j - 1)
+            d(m - xs[(i, j)], j)
+            c(m - xs[(i, L)], i, j - 1)
 
     d(s - twin.sx0, 0)
     return Schedule(tuple(ops), {"strategy": "twin"})

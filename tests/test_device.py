@@ -71,6 +71,7 @@ def test_chain_json_round_trips_fixed_and_batch_fit_and_old_json_still_loads():
     with pytest.raises(InvalidChain, match="'fixed' must be an object"):
         Chain.from_dict({**json.loads(c.to_json()), "fixed": [1, 2]})
     assert "fixed" in repr(c) and "batch 8" in repr(c)
+    assert "AdamW state" in c._repr_html_() and "batch 8" in c._repr_html_()
 
 
 def test_without_fixed_part_device_questions_say_what_to_do():

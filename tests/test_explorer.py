@@ -340,6 +340,18 @@ def test_rerunning_a_notebook_cell_replaces_its_explorer(chain, solution, monkey
     fourth.close()
 
 
+def test_transformer_baselines_are_offered_where_they_apply(ex):
+    assert "per_layer" not in ex._strategy_dd.options  # a chain without layers: not offered
+    with pytest.raises(HChainError, match="unknown strategy 'selective'"):
+        ex.strategy = "selective"
+    chain = hcv.Chain.transformer(2, seq=64, hidden=64)
+    tx = Explorer(chain, solution=hcv.solve(chain, slots=200))
+    assert {"per_layer", "selective", "layer_periodic"} <= set(tx._strategy_dd.options)
+    tx.strategy = "selective"
+    assert tx.schedule.meta["strategy"] == "selective"
+    assert {"per_layer", "selective"} <= {t.name for t in tx.figures["frontier"].data}
+
+
 def test_explorer_shows_an_offload_solution():
     """Explorer(chain, solution=hcv.solve(chain, offload=True)): the schedules carry transfers, the timeline their
     lanes, the frontier both curves (DESIGN §9)."""

@@ -254,6 +254,26 @@ def test_byte_ticks_are_round_binary_values():
     assert all(float(v).is_integer() for v in vals)
 
 
+# ---------------------------------------------------------------------------------------------- layers (groups)
+def test_sub_layer_chain_is_drawn_by_layer():
+    """A sub-layer transformer (chain.groups): the timeline and tape label layers, shade every other one, keep a
+    minor tick per stage, and stay at ~24 labels on a long chain; the cursor stays the first shape."""
+    chain = hcv.Chain.transformer(24, seq=32, hidden=32, heads=2)  # 146 stages
+    budget = hcv.simulate(chain, strategies.per_layer(chain)).peak_memory
+    trace = hcv.simulate(chain, hcv.solve(chain, slots=100).schedule(budget))
+    for fig in (F.timeline(trace, step=5), F.storage_tape(trace)):
+        ax = fig.layout.yaxis
+        assert ax.title.text == "layer" and len(ax.tickvals) <= 25
+        # every other layer labelled (26 marks), and the ungrouped embedding and loss rows
+        assert "h.1" in ax.ticktext and "embed" in ax.ticktext and ax.ticktext[-1] in ("loss", "output / loss")
+        assert list(ax.minor.tickvals) == list(range(chain.length + 1))
+        cursor, *bands = fig.layout.shapes
+        assert cursor.type == "line" and len(bands) == 12  # every other one of 24 layers
+        assert (bands[0].y0, bands[0].y1) == (1 - 0.5, 6 + 0.5)  # h.0 is stages 1..6
+    plain = F.timeline(hcv.simulate(hcv.Chain.random(6, seed=0), strategies.store_all(hcv.Chain.random(6, seed=0))))
+    assert plain.layout.yaxis.title.text == "stage" and len(plain.layout.shapes) == 1
+
+
 # ---------------------------------------------------------------------------------------------- transfers (§9)
 @pytest.fixture(scope="module")
 def offload_trace():

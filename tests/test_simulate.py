@@ -142,6 +142,51 @@ def test_wrong_argument_types():
         simulate(CH, "Fall0 Fall1 Loss B1 B0")  # type: ignore[arg-type]
 
 
+# ---------------------------------------------------------------------------------------------------- shared tensors
+# DESIGN §8: a residual of 2 bytes crosses cuts x_0..x_2 of a 3-stage chain (x = [3, 4, 5, 1]).
+SH = Chain(fwd_time=[1.0, 1.0, 1.0], bwd_time=[1.0, 1.0, 1.0], x=[3, 4, 5, 1], xbar=[6, 7, 1], shared=[(0, 2, 2)])
+
+
+def test_shared_tensor_is_counted_once():
+    t = simulate(SH, Schedule.parse("Fck0 Fck1 Fall2 Loss B2 Fall1 B1 Fall0 B0"))
+    plain = simulate(Chain(**{k: getattr(SH, k) for k in ("fwd_time", "bwd_time", "x", "xbar")}), t.schedule)
+    # x_0 = 1 own byte + the residual (2); x_1 and x_2 hold the same residual: 2 and 3 more bytes, not 4 and 5.
+    assert [e.mem_after for e in t.events][:2] == [3 + 2, 3 + 2 + 3]
+    assert [e.mem_after for e in plain.events][:2] == [3 + 4, 3 + 4 + 5]
+    assert resident(t.events[1]) == {("x", 0): 1, ("shared", 0): 2, ("x", 1): 2, ("x", 2): 3}
+    # Fall1 recomputes x_2 inside x̄_2 from x_1: the same residual, so x̄_2 adds 7 - 2 bytes.
+    k = 5
+    assert str(t.events[k].op) == "Fall1" and t.events[k].mem_after - t.events[k].mem_before == 7 - 2
+    assert all(e.mem_peak <= p.mem_peak for e, p in zip(t.events, plain.events))
+    # the residual lives as long as any value holds it: x_0 holds it to the end of the step
+    assert [lt for lt in t.lifetimes if lt.kind == "shared"] == [("shared", 0, 2, -1, None)]
+
+
+def test_recomputing_the_producer_makes_a_second_copy():
+    """A residual made by stage 0 (crossing x_1..x_3, the output): recomputing stage 0 while the held output still
+    holds the first copy makes a second one."""
+    ch = Chain(fwd_time=[1.0] * 3, bwd_time=[1.0] * 3, x=[1, 4, 4, 4], xbar=[4, 4, 4], shared=[(1, 3, 3)])
+    t = simulate(ch, Schedule.parse("Fck0 Fn1 Fn2 Loss Fck0 Fall1 Fall2 B2 B1 Fall0 B0"))
+    assert [e.mem_after for e in t.events][:3] == [1 + 4, 1 + 1 + 3, 1 + 1 + 3]  # one residual, passed along
+    copies = [lt for lt in t.lifetimes if lt.kind == "shared"]
+    # the output keeps the first copy to the end; Fall0 makes a third (inside x̄_1), freed by B0
+    assert [(lt.created, lt.freed) for lt in copies] == [(0, None), (4, 8), (9, 10)]
+    assert t.events[4].mem_after - t.events[4].mem_before == 4  # the recomputed x_1 is a full new copy
+    assert t.events[5].mem_after - t.events[5].mem_before == 4 - 3  # x̄_2 holds that new copy
+
+
+def test_zero_byte_shared_tensors_change_nothing():
+    for seed in range(20):
+        ch = Chain.random(6, seed=seed)
+        d = ch.to_dict()
+        d["shared"] = [(0, 6, 0), (2, 4, 0)]
+        zero = Chain.from_dict(d)
+        ops = "Fck0 Fn1 Fck2 Fall3 Fall4 Fall5 Loss B5 B4 B3 Fall2 B2 Fck0 Fall1 B1 Fall0 B0"
+        a, b = simulate(ch, Schedule.parse(ops)), simulate(zero, Schedule.parse(ops))
+        assert [(e.mem_before, e.mem_peak, e.mem_after) for e in a.events] == \
+            [(e.mem_before, e.mem_peak, e.mem_after) for e in b.events]
+
+
 # ---------------------------------------------------------------------------------------------------- transfers (§9)
 def test_offload_by_hand():
     """Off0 after Fall1 (which reads x_1 inside x̄_1) starts when Fall1 ends; Pre0 starts at that copy's end. B1

@@ -27,8 +27,23 @@ def chains(draw, max_len: int = 7, max_size: int = 6) -> Chain:
 
     x = ints(L + 1, max_size)
     extra = ints(L, max_size)
+    structure = {}
+    if draw(st.booleans()):  # layers, core-attention tags and shared tensors, as a sub-layer profile has them
+        cuts = sorted(set(draw(st.lists(st.integers(0, L - 1), max_size=L))))
+        bounds = [c for c in cuts] + [L]
+        groups = [(f"h.{n}", a, b - 1) for n, (a, b) in enumerate(zip(bounds, bounds[1:])) if b - 1 >= a]
+        groups = [g for g in groups if draw(st.booleans())] or groups  # some stages may stay outside every layer
+        tags = [draw(st.sampled_from(["", "", "attn_core"])) for _ in range(L)]
+        shared = []
+        if L >= 1 and draw(st.booleans()):
+            first = draw(st.integers(0, L - 1))
+            last = draw(st.integers(first + 1, L))
+            room = min(x[first:last + 1])
+            if room:
+                shared = [(first, last, draw(st.integers(1, room)))]
+        structure = dict(groups=groups, tags=tags, shared=shared)
     return Chain(fwd_time=ints(L, 3), bwd_time=ints(L, 3), x=x, xbar=[x[i + 1] + extra[i] for i in range(L)],
-                 fwd_tmp=ints(L, 3), bwd_tmp=ints(L, 3))
+                 fwd_tmp=ints(L, 3), bwd_tmp=ints(L, 3), **structure)
 
 
 def every_schedule(chain: Chain) -> list[Schedule]:
@@ -38,6 +53,10 @@ def every_schedule(chain: Chain) -> list[Schedule]:
     out += [S.periodic(chain, n) for n in range(1, L + 1)]
     out += [S._revolve_schedule(L, c, None) for c in range(max(0, L - 2) + 1)]
     out += [S._chen_schedule(chain, st_, thr, None) for st_, thr in S._chen_candidates(chain)]
+    if chain.groups:
+        out += [S.per_layer(chain)] + [S.layer_periodic(chain, n) for n in range(1, len(S._units(chain)) + 1)]
+    if "attn_core" in chain.tags:
+        out.append(S.selective(chain))
     return out
 
 
@@ -56,7 +75,8 @@ def test_every_schedule_is_valid_and_labelled(chain):
 
 @given(chains(), st.integers(0, 200))
 def test_registry_respects_budget_or_names_the_least(chain, budget):
-    for name, fn in S.STRATEGIES.items():
+    for name in S.applicable(chain):
+        fn = S.STRATEGIES[name]
         try:
             s = fn(chain, budget)
         except InfeasibleBudget as e:
@@ -71,9 +91,11 @@ def test_registry_respects_budget_or_names_the_least(chain, budget):
 @given(chains())
 def test_no_budget_gives_each_familys_fastest(chain):
     points = S.frontier_points(chain)
-    for name, fn in S.STRATEGIES.items():
+    assert set(points) == set(S.applicable(chain))
+    for name in S.applicable(chain):
+        fn = S.STRATEGIES[name]
         t = simulate(chain, fn(chain)).makespan
-        if name in ("periodic", "chen_greedy"):  # free choice within the family: its fastest point
+        if name in ("periodic", "chen_greedy", "layer_periodic"):  # free choice within the family: its fastest
             assert t == min(p[1] for p in points[name])
         assert (simulate(chain, fn(chain)).peak_memory, t) in points[name]
 
@@ -310,9 +332,11 @@ def test_chen_candidates_span_store_all_to_every_stage():
 # ------------------------------------------------------------------ registry, frontier
 def test_registry_and_baseline_schedules():
     chain = Chain.random(9, seed=1)
-    assert set(S.STRATEGIES) == {"store_all", "periodic", "sqrt_n", "chen_greedy", "revolve", "recompute_all"}
+    plain = {"store_all", "periodic", "sqrt_n", "chen_greedy", "revolve", "recompute_all"}
+    assert set(S.STRATEGIES) == plain | {"per_layer", "selective", "layer_periodic"}
+    assert set(S.applicable(chain)) == plain  # no groups, no tags: the transformer families do not apply
     every = S.baseline_schedules(chain)
-    assert set(every) == set(S.STRATEGIES)
+    assert set(every) == plain
     assert all(s.meta["strategy"] == name for name, s in every.items())
     store_peak = simulate(chain, every["store_all"]).peak_memory
     small = simulate(chain, every["recompute_all"]).peak_memory
@@ -321,7 +345,7 @@ def test_registry_and_baseline_schedules():
     assert all(simulate(chain, s).peak_memory <= store_peak - 1 for s in some.values())
     assert S.baseline_schedules(chain, 0) == {}
     assert small < store_peak
-    assert set(S.baseline_schedules(chain, f"{store_peak}B")) == set(S.STRATEGIES)
+    assert set(S.baseline_schedules(chain, f"{store_peak}B")) == plain
 
 
 def test_fixed_strategy_infeasible_message():
@@ -334,7 +358,7 @@ def test_fixed_strategy_infeasible_message():
 def test_frontier_points_are_the_simulated_schedules():
     chain = Chain.random(8, seed=2)
     pts = S.frontier_points(chain)
-    assert set(pts) == set(S.STRATEGIES)
+    assert set(pts) == set(S.applicable(chain))
     score = lambda s: (simulate(chain, s).peak_memory, simulate(chain, s).makespan)
     assert pts["store_all"] == [score(S.store_all(chain))]
     assert pts["recompute_all"] == [score(S.recompute_all(chain))]
@@ -369,3 +393,64 @@ def test_optimal_never_slower_than_any_baseline_at_its_peak(chain):
     sol = solver.solve(chain, max_budget=top, slots=top)  # exact: integer sizes, one byte per slot
     for peak, time in pts:
         assert sol.makespan(peak) <= time + 1e-9, (peak, time)
+
+
+# ------------------------------------------------------------------ transformer baselines (chain.groups, chain.tags)
+def test_per_layer_and_selective_on_a_sub_layer_transformer():
+    chain = Chain.transformer(3)
+    L = chain.length
+    full, sel, store = S.per_layer(chain), S.selective(chain), S.store_all(chain)
+    # per layer: each layer's input kept (Fck on its first stage), its stages recomputed once; embed and head stored
+    assert [op.stage for op in full if op.kind == "Fck"] == [first for _, first, _ in chain.groups]
+    assert full.n_recomputed == 6 * 3
+    assert [op.kind for op in full if op.stage in (0, L - 1)] == ["Fall", "Fall", "B", "B"]
+    # selective: only the core-attention stages (2 per layer) run twice
+    core = [i for i, t in enumerate(chain.tags) if t == "attn_core"]
+    assert sel.n_recomputed == len(core) == 6
+    assert sorted({op.stage for op in sel if op.kind in ("Fck", "Fn")}) == core
+    t_full, t_sel, t_store = (simulate(chain, s) for s in (full, sel, store))
+    assert t_full.peak_memory < t_sel.peak_memory < t_store.peak_memory
+    assert t_full.makespan > t_sel.makespan > t_store.makespan
+    assert t_sel.makespan == pytest.approx(chain.store_all_time + sum(chain.fwd_time[i] for i in core))
+    for s, name in ((full, "per_layer"), (sel, "selective")):
+        assert s.meta["strategy"] == name and S.STRATEGIES[name](chain).ops == s.ops
+
+
+def test_layer_periodic_is_checkpoint_sequential_over_layers():
+    chain = Chain.transformer(4)  # units: embed, h.0 .. h.3, head
+    units = S._units(chain)
+    assert units == [0, 1, 7, 13, 19, 25]
+    assert S.layer_periodic(chain, 1).ops == S.store_all(chain).ops
+    three = S.layer_periodic(chain, 3)  # 6 units // 3 = 2 per segment: checkpoints at embed and h.1
+    assert [op.stage for op in three if op.kind == "Fck"] == [0, 7]
+    assert three.ops == S._segmented(chain, (0, 7, 19), {}).ops
+    best = S.best_layer_periodic(chain, simulate(chain, three).peak_memory)
+    assert simulate(chain, best).makespan <= simulate(chain, three).makespan
+    with pytest.raises(HChainError, match="from 1 to the number of layers and other stages"):
+        S.layer_periodic(chain, 7)
+
+
+@pytest.mark.parametrize("name", ["per_layer", "selective", "layer_periodic"])
+def test_transformer_baselines_need_structure(name):
+    chain = Chain.random(6, seed=0)
+    with pytest.raises(HChainError, match="granularity") as err:
+        S.STRATEGIES[name](chain)
+    assert not isinstance(err.value, InfeasibleBudget)
+    assert name not in S.applicable(chain) and name not in S.frontier_points(chain)
+
+
+def test_tag_runs_stop_at_layer_boundaries():
+    chain = Chain(fwd_time=[1] * 5, bwd_time=[1] * 5, x=[1] * 6, xbar=[1] * 5, groups=[("a", 0, 1), ("b", 2, 4)],
+                  tags=["", "attn_core", "attn_core", "attn_core", ""])
+    assert S._tag_runs(chain, "attn_core") == [(1, 1), (2, 3)]
+    simulate(chain, S.selective(chain))  # valid
+
+
+def test_transformer_baselines_on_the_frontier():
+    chain = Chain.transformer(2)
+    pts = S.frontier_points(chain)
+    assert {"per_layer", "selective", "layer_periodic"} <= set(pts)
+    assert pts["per_layer"] == [(simulate(chain, S.per_layer(chain)).peak_memory,
+                                 simulate(chain, S.per_layer(chain)).makespan)]
+    assert len(pts["layer_periodic"]) >= 2
+    assert set(S.baseline_schedules(chain)) == set(S.STRATEGIES)

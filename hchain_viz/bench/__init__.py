@@ -37,6 +37,15 @@ def run(name: str, args: list[str]) -> None:
     importlib.import_module(f".{name}", __name__).run(list(args))
 
 
+def pareto_efficient(points: Sequence[tuple[float, float]]) -> list[bool]:
+    """For each ``(memory, time)`` point: False when another point uses as much memory or less and is faster.
+
+    The rule by which the benchmarks count ``checkpoint_sequential``'s segment counts: a count that saves no memory
+    over a faster one is a configuration nobody would pick, and a gain measured against it says nothing.
+    """
+    return [not any(mq <= mp and tq < tp for mq, tq in points) for mp, tp in points]
+
+
 def positive_int(text: str) -> int:
     """argparse type for counts (rounds, repeats, changes): a whole number of at least 1."""
     import argparse

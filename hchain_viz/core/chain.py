@@ -7,6 +7,7 @@ round-trips through JSON so a profile taken on a GPU machine can be explored any
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import math
 import os
@@ -289,6 +290,66 @@ class Chain:
         return cls(fwd_time=fwd, bwd_time=bwd, x=x, xbar=xbar, fwd_tmp=tmp_f, bwd_tmp=tmp_b,
                    names=[f"layer{i}" for i in range(length)])
 
+    @classmethod
+    def transformer(
+        cls, layers: int = 4, *, batch: int = 4, seq: int = 256, hidden: int = 256, heads: int = 4,
+        vocab: int = 1024, dtype_bytes: int = 4, flops: float = 1e12, bandwidth: float = 1e11,
+    ) -> Chain:
+        """A GPT-style decoder at sub-layer granularity (a model of one, not a measurement): the embedding, six
+        stages per layer, and the head, with the structure fields set (``groups``, ``tags``, ``shared``).
+
+        Per layer ``h.k`` (B = batch, T = seq, H = hidden, a = B·T·H values, p = B·heads·T² values):
+
+        ==================  ====================================  ======================  =====================
+        stage               output (the cut after it)             saved beside it          tag
+        ==================  ====================================  ======================  =====================
+        ``h.k.ln_qkv``      (residual, qkv): 4a                   the LN output: a
+        ``h.k.attn.scores`` (residual, probabilities, v): 2a + p  nothing more             ``attn_core``
+        ``h.k.attn.pv``     (residual, context): 2a               nothing more             ``attn_core``
+        ``h.k.attn.out``    the new residual: a                   nothing more
+        ``h.k.mlp.up``      (residual, activation): 5a            LN output, pre-GELU: 5a
+        ``h.k.mlp.down``    the new residual: a                   nothing more
+        ==================  ====================================  ======================  =====================
+
+        The residual crosses the first four cuts of the layer and the new residual the last two: ``shared``.
+        Times are FLOPs / ``flops`` plus bytes moved / ``bandwidth`` (seconds); a backward costs twice its forward.
+        Sizes are bytes (``dtype_bytes`` per value; the token ids are int64).
+        """
+        for name, v in (("layers", layers), ("batch", batch), ("seq", seq), ("hidden", hidden), ("heads", heads),
+                        ("vocab", vocab), ("dtype_bytes", dtype_bytes)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise InvalidChain(f"{name} must be a positive integer, got {v!r}")
+        if hidden % heads:
+            raise InvalidChain(f"hidden ({hidden}) must be a multiple of heads ({heads})")
+        B, T, H, V = batch, seq, hidden, vocab
+        a = B * T * H * dtype_bytes
+        p = B * heads * T * T * dtype_bytes
+        fwd, x, xbar, tmp, names, tags, groups, shared = [], [B * T * 8], [], [], [], [], [], []
+
+        def stage(name: str, flop: float, out: int, saved: int = 0, transient: int = 0, tag: str = "") -> None:
+            fwd.append(flop / flops + (x[-1] + out + transient) / bandwidth)
+            x.append(out)
+            xbar.append(out + saved)
+            tmp.append(transient)
+            names.append(name)
+            tags.append(tag)
+
+        stage("embed", B * T * H, a)
+        for k in range(layers):
+            first = len(names)
+            stage(f"h.{k}.ln_qkv", 6 * B * T * H * H, 4 * a, saved=a)
+            stage(f"h.{k}.attn.scores", 2 * B * T * T * H, 2 * a + p, transient=p, tag="attn_core")
+            stage(f"h.{k}.attn.pv", 2 * B * T * T * H, 2 * a, tag="attn_core")
+            stage(f"h.{k}.attn.out", 2 * B * T * H * H, a)
+            stage(f"h.{k}.mlp.up", 8 * B * T * H * H, 5 * a, saved=5 * a)
+            stage(f"h.{k}.mlp.down", 8 * B * T * H * H, a)
+            groups.append((f"h.{k}", first, first + 5))
+            shared += [(first, first + 3, a), (first + 4, first + 5, a)]
+        stage("head", 2 * B * T * H * V, B * T * V * dtype_bytes, saved=a)
+        return cls(fwd_time=fwd, bwd_time=[2 * f for f in fwd], x=x, xbar=xbar, fwd_tmp=tmp, bwd_tmp=tmp,
+                   names=names, groups=groups, tags=tags, shared=shared,
+                   meta={"model": f"transformer(layers={layers}, batch={B}, seq={T}, hidden={H}, heads={heads})"})
+
     # ------------------------------------------------------------------ display
     def _rows(self) -> list[tuple[str, ...]]:
         rows = [(str(i), self.names[i], format_time(self.fwd_time[i]), format_time(self.bwd_time[i]),
@@ -316,7 +377,9 @@ class Chain:
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{h}</th>" for h in self._HEAD)
         body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in self._rows())
-        return (f"<b>Chain</b>: {self.length} stages, store-all {format_time(self.store_all_time)}"
+        extra = "" if self.batch_fit is None else f", batch {self.batch_fit.batch}"
+        extra += "" if self.fixed is None else f", fixed {html.escape(self.fixed.describe())}"
+        return (f"<b>Chain</b>: {self.length} stages, store-all {format_time(self.store_all_time)}{extra}"
                 f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
@@ -397,6 +460,11 @@ def _shared(shared: Any, x: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]
             raise InvalidChain(f"shared tensor {t!r} has {size} bytes, more than x[{small[0]}] = {x[small[0]]} "
                                f"holds; it must be part of every x[i] it crosses")
         out.append((first, last, size))
+    for i in range(L + 1):  # the shared tensors at one cut are distinct parts of x[i]
+        inside = sum(size for first, last, size in out if first <= i <= last)
+        if inside > x[i]:
+            raise InvalidChain(f"the shared tensors crossing boundary {i} hold {inside} bytes in all, more than "
+                               f"x[{i}] = {x[i]}; each must be a distinct part of every x[i] it crosses")
     return tuple(out)
 
 

@@ -13,6 +13,11 @@ Resident items (``Item.kind``):
   first forward of stage L-1 is a ``Fall``, the output lives inside x̄_L, so that ``xbar`` item carries only
   ``xbar[L-1] - x[L]`` bytes beside it; a recomputed ``Fall(L-1)`` holds a full second copy.
 - ``"delta"``: a gradient δ_i (``x[i]`` bytes); δ_L is created by the loss.
+- ``"shared"``: one copy of a tensor that several cuts share (``chain.shared``, DESIGN §8: the residual stream inside
+  a layer), ``stage`` = the first cut that holds it. It is resident while any value above holds it, and those values
+  leave its bytes out of their own size, so it is counted once. A forward passes its input's copy on to its output; a
+  (re)computation of the stage that makes the tensor makes a new copy. δ's never share. An offloaded value keeps its
+  hold on a shared copy, which stays on the device (a conservative rule for transfers).
 
 Transfers (DESIGN §9): ``Off(i)`` / ``Pre(i)`` run on a transfer channel beside the compute stream, at
 ``chain.bandwidth`` bytes/s, one channel each way (full duplex). Compute ops run in schedule order on the compute
@@ -46,7 +51,8 @@ from .units import format_bytes, format_time
 
 
 class Item(NamedTuple):
-    """A resident piece of memory: ``kind`` in ``x, xbar, out, delta``, the ``stage`` index, its ``size`` in bytes."""
+    """A resident piece of memory: ``kind`` in ``x, xbar, out, delta, shared``, the ``stage`` index, its ``size`` in
+    bytes."""
 
     kind: str
     stage: int
@@ -208,7 +214,7 @@ class Trace:
 
 
 def simulate(chain: Chain, schedule: Schedule) -> Trace:
-    """Replay ``schedule`` on ``chain`` under the memory model of DESIGN §3.
+    """Replay ``schedule`` on ``chain`` under the memory model of DESIGN §3 (shared tensors counted once, §8).
 
     Raises :class:`InvalidSchedule` naming the first op that needs something not resident (or on the host),
     creates something already resident, is out of range, or when the schedule ends before every backward has run.
@@ -219,10 +225,11 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
         raise InvalidSchedule(f"simulate() needs a Schedule as second argument, got {type(schedule).__name__}")
     L = chain.length
     x, xbar = chain.x, chain.xbar
-    res: dict[tuple[str, int], int] = {("x", 0): x[0]}
-    opened: dict[tuple[str, int], int] = {("x", 0): 0}  # key -> index into `spans` of its open lifetime
-    spans: list[list] = [["x", 0, x[0], -1, None]]
-    mem = x[0]
+    tensors = _Shared(chain)
+    res: dict[tuple, int] = {}  # key -> bytes of every resident item (shared tensors are items of their own)
+    opened: dict[tuple, int] = {}  # key -> index into `spans` of its open lifetime
+    spans: list[list] = []
+    mem = 0
     t = 0.0
     loss_done = False
     kept: set[int] = set()  # stages whose input x_k a Fck kept: a checkpoint until B(k)
@@ -231,9 +238,23 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
     events = []
     link = _Link(chain, res, spans, opened, kept)  # the transfer channels (DESIGN §9); idle unless Off/Pre appear
 
+    def add(key: tuple, size: int, k: int) -> None:
+        res[key] = size
+        opened[key] = len(spans)
+        spans.append([key[0], key[1], size, k, None])
+
+    def drop(key: tuple, k: int) -> int:
+        spans[opened.pop(key)][4] = k
+        return res.pop(key)
+
+    for key, size in tensors.create(("x", 0), 0, None, x[0]):  # x_0 and the shared tensors that start there
+        add(key, size, -1)
+        mem += size
+
     for k, op in enumerate(schedule.ops):
         kind, i = op
         fail = partial(_invalid, k, op)
+        gone: list[tuple] = []  # values this op frees once it has run
         if kind in ("Off", "Pre"):
             if i >= L:
                 raise fail(f"stage {i} does not exist; the chain has stages 0..{L - 1}")
@@ -247,7 +268,7 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                 raise fail("the loss runs once per step")
             if ("out", L) not in res:
                 raise fail(f"the output x_{L} has not been computed (run every forward up to stage {L - 1} first)")
-            created, freed, key_sizes = x[L], 0, [(("delta", L), x[L])]
+            new = [(("delta", L), x[L])]
             tmp, dt = 0, 0.0
             loss_done = True
         elif i >= L:
@@ -262,13 +283,8 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                 raise fail(f"B{i} needs x̄_{i + 1} from a Fall{i}, which is not resident")
             if not _input_available(res, i):
                 raise fail(f"B{i} needs its input x_{i}, which is not resident")
-            created = x[i]
-            freed_keys = [("delta", i + 1), ("xbar", i)] + ([("x", i)] if i > 0 and ("x", i) in res else [])
-            freed = sum(res[key] for key in freed_keys)
-            for key in freed_keys:
-                del res[key]
-                spans[opened.pop(key)][4] = k
-            key_sizes = [(("delta", i), x[i])]
+            gone = [("delta", i + 1), ("xbar", i)] + ([("x", i)] if i > 0 and ("x", i) in res else [])
+            new = [(("delta", i), x[i])]
             tmp, dt = chain.bwd_tmp[i], chain.bwd_time[i]
             backward_done.add(i)
             kept.discard(i)
@@ -279,12 +295,12 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                 raise fail(f"its input x_{i} is not resident (keep a checkpoint with Fck or recompute it)")
             if ("xbar", i) in res or (i + 1 < L and ("x", i + 1) in res):
                 raise fail(f"x_{i + 1} is already resident; recomputing it would hold two copies")
-            freed = 0
+            source = ("x", i) if ("x", i) in res else ("xbar", i - 1)  # the resident value that holds x_i
             if kind == "Fall":
                 if i == L - 1 and ("out", L) not in res:
-                    key_sizes = [(("out", L), x[L]), (("xbar", i), xbar[i] - x[L])]
+                    new = tensors.create(("out", L), L, source, x[L]) + [(("xbar", i), xbar[i] - x[L])]
                 else:
-                    key_sizes = [(("xbar", i), xbar[i])]
+                    new = tensors.create(("xbar", i), i + 1, source, xbar[i])
             else:
                 if i + 1 in backward_done:
                     raise fail(f"its output x_{i + 1} is no longer needed (B{i + 1} has run); use Fall{i} to "
@@ -292,9 +308,9 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                 if i + 1 == L:
                     if ("out", L) in res:
                         raise fail(f"the output x_{L} is already held by the caller")
-                    key_sizes = [(("out", L), x[L])]
+                    new = tensors.create(("out", L), L, source, x[L])
                 else:
-                    key_sizes = [(("x", i + 1), x[i + 1])]
+                    new = tensors.create(("x", i + 1), i + 1, source, x[i + 1])
                 if kind == "Fn":
                     if i == 0:
                         raise fail("x_0 is the caller's input and cannot be dropped; use Fck0")
@@ -303,21 +319,22 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                     if i in kept:
                         raise fail(f"x_{i} is a checkpoint kept by an earlier Fck{i}; checkpoints stay until B{i} "
                                    f"(use Fck{i})")
-                    freed = res.pop(("x", i))
-                    spans[opened.pop(("x", i))][4] = k
-            created = sum(s for _, s in key_sizes)
+                    gone = [("x", i)]
             tmp, dt = chain.fwd_tmp[i], chain.fwd_time[i]
         recompute = kind in ("Fck", "Fn", "Fall") and i in forwarded
         if kind in ("Fck", "Fn", "Fall"):
             forwarded.add(i)
         if kind == "Fck":
             kept.add(i)
-        for key, size in key_sizes:
-            res[key] = size
-            opened[key] = len(spans)
-            spans.append([key[0], key[1], size, k, None])
-        for key, _ in key_sizes:
+        for key, size in new:
+            add(key, size, k)
             link.ready.pop(key, None)
+        created = sum(size for _, size in new)
+        freed = 0
+        for key in gone:
+            freed += drop(key, k)
+            for inst in tensors.release(key):  # a shared tensor goes with the last value that holds it
+                freed += drop(inst, k)
         t = link.start_compute(k, op, t)  # later than t only when it waits for a prefetch
         before = mem
         peak = before + created + tmp
@@ -341,6 +358,54 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
     events, curve = link.replay_memory(events, x[0])
     return Trace(chain, schedule, tuple(Event(*e, lifetimes) for e in events), x[0], lifetimes,
                  tuple(link.idle), tuple(Lifetime(*h) for h in link.host_spans), curve)
+
+
+class _Shared:
+    """Tensor identity for ``chain.shared`` (DESIGN §8): which instance of each shared tensor a value holds.
+
+    A shared tensor ``t = (first, last, bytes)`` is created by the forward of stage ``first - 1`` (or is part of the
+    caller's x_0 when ``first == 0``) and passes unchanged through the forwards of stages ``first..last-1``. Every
+    such forward hands its output the *instance* its input holds; a recomputation of stage ``first - 1`` makes a new
+    one. An instance is an item of its own (kind ``"shared"``, stage ``first``) resident while any value holds it,
+    and the values that hold it leave its bytes out of their own size, so memory counts it once.
+    """
+
+    def __init__(self, chain: Chain) -> None:
+        self.shared = chain.shared
+        self.count = 0
+        self.holds: dict[tuple, dict[int, tuple]] = {}  # value key -> {tensor index: instance key}
+        self.holders: dict[tuple, int] = {}  # instance key -> number of values holding it
+
+    def create(self, key: tuple, boundary: int, source: tuple | None, size: int) -> list[tuple[tuple, int]]:
+        """The items a new value ``key`` (holding boundary value x[boundary], ``size`` bytes in all) brings:
+        itself less its shared bytes, and the instances it creates; ``source`` is the value its input came from."""
+        if not self.shared:
+            return [(key, size)]
+        held: dict[int, tuple] = {}
+        new = []
+        for n, (first, last, nbytes) in enumerate(self.shared):
+            if not first <= boundary <= last:
+                continue
+            size -= nbytes
+            inst = self.holds.get(source, {}).get(n) if first < boundary else None
+            if inst is None:  # made here (or the caller's x_0 holds it)
+                self.count += 1
+                inst = ("shared", first, self.count)
+                new.append((inst, nbytes))
+            held[n] = inst
+            self.holders[inst] = self.holders.get(inst, 0) + 1
+        self.holds[key] = held
+        return [(key, size)] + new
+
+    def release(self, key: tuple) -> list[tuple]:
+        """Forget value ``key``; the instances no other value holds any more."""
+        out = []
+        for inst in self.holds.pop(key, {}).values():
+            self.holders[inst] -= 1
+            if not self.holders[inst]:
+                del self.holders[inst]
+                out.append(inst)
+        return out
 
 
 class _Link:

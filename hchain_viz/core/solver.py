@@ -13,7 +13,11 @@ schedule never exceeds the real budget; with integer sizes and ``slots == max_bu
 - ``D[m, i]``: the same for the spine ``i..L`` that contains the loss (and creates the held output x_L).
 
 The recurrences, guards and the two corrections to the published Rotor code are in DESIGN §4; the kernels below
-follow them line by line. What the optimum is over: every schedule whose checkpoints *persist* (an x_k kept by
+follow them line by line. Tensors shared by several cuts (``chain.shared``, DESIGN §8: the residual stream inside a
+layer) are counted once, as the simulator counts them: the DP charges each value what it adds beside the value it was
+computed from, which is resident whenever the DP's schedules hold it (:func:`dp_sizes`). This keeps the DP exact
+(checked against the exhaustive search with shared tensors); with ``chain.shared == ()`` nothing changes.
+What the optimum is over: every schedule whose checkpoints *persist* (an x_k kept by
 ``Fck(k)`` stays until ``B(k)`` frees it) — checked against an exhaustive search of that class. The simulator also
 accepts schedules that later drop such a checkpoint with ``Fn(k)`` and recompute it from an earlier one; on some
 heterogeneous chains and budgets those are faster (tests/test_solver.py keeps a counter-example), and no search over
@@ -84,7 +88,7 @@ def _take_chain(out, cho, sub, t, keep):  # pragma: no cover - runs compiled
         cho[k] = cho[k] if leaf_wins else _CHAIN
 
 
-def _bounds(x, xbar, ftmp, btmp, G, LOC, SAT):  # pragma: no cover - runs compiled
+def _bounds(x, xs, xbar, ftmp, btmp, G, LOC, SAT):  # pragma: no cover - runs compiled
     """Per pair (i, l), in slots: ``G`` the guard (DESIGN §4: the first forward of each stage i..l-1 runs while
     δ_{l+1} is resident; necessary for every option), ``LOC`` the least m of the chain option (the base case when
     i == l), ``SAT`` the least m from which the all-chain schedule ``Fall(i..l) B(l..i)`` fits. From SAT on nothing
@@ -95,10 +99,10 @@ def _bounds(x, xbar, ftmp, btmp, G, LOC, SAT):  # pragma: no cover - runs compil
         LOC[i, i] = max(x[i + 1] + xbar[i] + ftmp[i], need_b)  # base: Fall(i) with δ_{i+1} resident, B(i)
         SAT[i, i] = LOC[i, i]
         G[i, i] = 0
-        run = x[i + 1] + ftmp[i]  # Fck(i): x_i is the caller's
+        run = xs[i, i + 1] + ftmp[i]  # Fck(i): x_i is the caller's
         for l in range(i + 1, L):  # noqa: E741
-            if l - 1 > i:
-                run = max(run, x[l - 1] + x[l] + ftmp[l - 1])  # a later forward holds its input and output
+            if l - 1 > i:  # a later forward holds its input and output (their parts not in x_i)
+                run = max(run, xs[i, l - 1] + xs[l - 1, l] + ftmp[l - 1])
             G[i, l] = run + x[l + 1]
             # Chain option: Fall(i) while δ_{l+1} is resident, [i+1..l] within m - xbar[i], then B(i).
             LOC[i, l] = max(G[i, l], x[l + 1] + xbar[i] + ftmp[i], need_b, xbar[i])
@@ -126,9 +130,11 @@ def _leaf(out, cho, right, left, f, j, ties):  # pragma: no cover - runs compile
             cho[k] = j if better else cho[k]
 
 
-def _fill_table(x, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: no cover - runs compiled
+def _fill_table(x, xs, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: no cover - runs compiled
     """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices.
-    ``x`` has L+2 entries (x[L+1] = 0); sizes are in slots.
+    Sizes in slots (see ``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes the gradients δ; ``xs[i, j]`` the
+    part of x_j not in x_i, what a value x_j costs while x_i is resident (DESIGN §8); ``xbar`` the part of x̄_{i+1} not
+    in x_i.
 
     Order: stages i descending, in blocks of _BLOCK; for each block, l ascending; then every entry read is final
     (C[j, l] has j > i, C[i, j-1] has j-1 < l; sizes of 0 read the same m of those rows). m is innermost.
@@ -143,7 +149,7 @@ def _fill_table(x, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: no co
     G = np.empty((L, L), np.int64)
     LOC = np.empty((L, L), np.int64)
     SAT = np.empty((L, L), np.int64)
-    _bounds(x, xbar, ftmp, btmp, G, LOC, SAT)
+    _bounds(x, xs, xbar, ftmp, btmp, G, LOC, SAT)
     B = _BLOCK
     F = np.empty((B, L + 1))  # F[i - ilo, j] = fwd[i] + ... + fwd[j-1], summed in that order
     for ihi in range(L - 1, -1, -B):
@@ -160,9 +166,9 @@ def _fill_table(x, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: no co
                 Cch[_row(L, i, l)] = _CHAIN
             # Leaf options with j beyond the block (rows C[j, l] final): j ascending, strict <, shared right rows.
             for j in range(ihi + 1, l + 1):
-                xj = x[j]
                 rj = _row(L, j, l)
                 for i in range(ilo, top + 1):
+                    xj = xs[i, j]
                     lo = max(G[i, l], xj)
                     hi = min(S1, SAT[i, l])
                     if lo < hi:
@@ -175,7 +181,7 @@ def _fill_table(x, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: no co
                 r = _row(L, i, l)
                 hi = min(S1, SAT[i, l])
                 for j in range(top, i, -1):
-                    xj = x[j]
+                    xj = xs[i, j]
                     lo = max(G[i, l], xj)
                     if lo < hi:
                         _leaf(C[r, lo:hi], Cch[r, lo:hi], C[_row(L, j, l), lo - xj:hi - xj],
@@ -194,30 +200,31 @@ def _fill_table(x, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: no co
                         cho[m] = _NONE
 
     # The spine with the loss: D[., L] is the loss (creates δ_L), then i = L-1 .. 0.
-    xL = x[L]
-    for m in range(S1):
-        D[L, m] = 0.0 if m >= xL else inf
-        Dch[L, m] = _CHAIN if m >= xL else _NONE
+    for m in range(S1):  # δ_L
+        D[L, m] = 0.0 if m >= x[L] else inf
+        Dch[L, m] = _CHAIN if m >= x[L] else _NONE
     for i in range(L - 1, -1, -1):
         out = D[i]
         cho = Dch[i]
         out[:] = inf
         cho[:] = _CHAIN
-        g = x[i + 1] + ftmp[i]
+        g = xs[i, i + 1] + ftmp[i]
         for k in range(i + 1, L):
-            g = max(g, x[k] + x[k + 1] + ftmp[k])
+            g = max(g, xs[i, k] + xs[k, k + 1] + ftmp[k])
+        xL = xs[i, L]  # the held output, less what x_i holds of it
         # Leaf options: Fck(i) Fn(i+1..j-1), [j..L] with x_j charged, then [i..j-1] after the loss, with the held
         # output x_L charged.
         fs = 0.0
         for j in range(i + 1, L + 1):
             fs += fwd[j - 1]
-            xj = x[j]
+            xj = xs[i, j]
             lo = max(g, xj, xL)
             if lo < S1:
                 _leaf(out[lo:], cho[lo:], D[j, lo - xj:], C[_row(L, i, j - 1), lo - xL:S1 - xL], fs, j, False)
         # Chain option: Fall(i), [i+1..L] within m - xbar[i], B(i), which also holds x_L beside x̄_{i+1} unless
-        # x_L is inside it (i == L-1).
-        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xL)
+        # x_L is inside it (i == L-1); x_L was computed from the x_{i+1} inside x̄_{i+1}, so it costs what it does
+        # beside x_{i+1}.
+        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L])
         lo = max(g, xbar[i] + ftmp[i], need_b, xbar[i])
         t = fwd[i] + bwd[i]
         if lo < S1:
@@ -227,7 +234,7 @@ def _fill_table(x, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: no co
                 cho[m] = _NONE
 
 
-def _rebuild(x, xbar, Cch, Dch, m0, out):  # pragma: no cover - runs compiled
+def _rebuild(xs, xbar, Cch, Dch, m0, out):  # pragma: no cover - runs compiled
     """Write the ops of the optimal schedule for ``D[m0, 0]`` into ``out`` (rows: kind code, stage); return their
     count, or -1 if ``out`` is too short. An explicit stack replaces the recursion: task kinds 0 = D(m, i),
     1 = C(m, i, l), 2 = emit B(i)."""
@@ -280,19 +287,19 @@ def _rebuild(x, xbar, Cch, Dch, m0, out):  # pragma: no cover - runs compiled
                 out[n, 1] = k
                 n += 1
             stack[top, 0] = 1
-            stack[top, 1] = m - x[L] if task == 0 else m
+            stack[top, 1] = m - xs[i, L] if task == 0 else m
             stack[top, 2] = i
             stack[top, 3] = j - 1
             top += 1
             stack[top, 0] = task
-            stack[top, 1] = m - x[j]
+            stack[top, 1] = m - xs[i, j]
             stack[top, 2] = j
             stack[top, 3] = l
             top += 1
     return n
 
 
-def _least_memory(x, xbar, ftmp, btmp):  # pragma: no cover - runs compiled
+def _least_memory(x, xs, xbar, ftmp, btmp):  # pragma: no cover - runs compiled
     """The least m for which ``D[m, 0]`` is finite: the same recurrences with feasibility thresholds composed by
     ``max`` (all of an option's conditions) and ``min`` (the best option). O(L^3), no slots."""
     L = xbar.shape[0]
@@ -305,25 +312,25 @@ def _least_memory(x, xbar, ftmp, btmp):  # pragma: no cover - runs compiled
             if d == 0:
                 Cm[i, l] = max(x[i + 1] + xbar[i] + ftmp[i], need_b)
                 continue
-            g = x[i + 1] + ftmp[i]
+            g = xs[i, i + 1] + ftmp[i]
             for k in range(i + 1, l):
-                g = max(g, x[k] + x[k + 1] + ftmp[k])
+                g = max(g, xs[i, k] + xs[k, k + 1] + ftmp[k])
             g += x[l + 1]
             best = max(x[l + 1] + xbar[i] + ftmp[i], need_b, xbar[i] + Cm[i + 1, l])
             for j in range(i + 1, l + 1):
-                best = min(best, max(x[j] + Cm[j, l], Cm[i, j - 1]))
+                best = min(best, max(xs[i, j] + Cm[j, l], Cm[i, j - 1]))
             Cm[i, l] = max(g, best)
-    xL = x[L]
     Dm = np.empty(L + 1, np.int64)
-    Dm[L] = xL
+    Dm[L] = x[L]  # δ_L
     for i in range(L - 1, -1, -1):
-        g = x[i + 1] + ftmp[i]
+        xL = xs[i, L]
+        g = xs[i, i + 1] + ftmp[i]
         for k in range(i + 1, L):
-            g = max(g, x[k] + x[k + 1] + ftmp[k])
-        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xL)
+            g = max(g, xs[i, k] + xs[k, k + 1] + ftmp[k])
+        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L])
         best = max(xbar[i] + ftmp[i], need_b, xbar[i] + Dm[i + 1])
         for j in range(i + 1, L + 1):
-            best = min(best, max(x[j] + Dm[j], xL + Cm[i, j - 1]))
+            best = min(best, max(xs[i, j] + Dm[j], xL + Cm[i, j - 1]))
         Dm[i] = min(max(g, best), big)
     return Dm[0]
 
@@ -457,7 +464,7 @@ class Solution:
         L = self.chain.length
         out = np.empty((L * (L + 1) // 2 + L + 2, 2), np.int32)  # at most L(L+1)/2 forwards
         sz = self._sizes
-        n = _kernels()["rebuild"](sz["x"], sz["xbar"], self._Cch, self._Dch, s - int(sz["x"][0]), out)
+        n = _kernels()["rebuild"](sz["xs"], sz["xbar"], self._Cch, self._Dch, s - int(sz["x"][0]), out)
         if n < 0:  # cannot happen: a DP schedule has at most L(L+1)/2 forwards
             raise RuntimeError("internal error: schedule longer than its bound")
         kinds = [_KINDS[k] for k in out[:n, 0].tolist()]
@@ -557,14 +564,42 @@ def _check_slots(slots: Any) -> int:
     return int(slots)
 
 
-def _slot_sizes(chain: Chain, max_budget: int, slots: int) -> dict[str, np.ndarray]:
-    """Sizes in slots, rounded up (exact integer arithmetic); anything above the whole budget is capped at
-    slots + 1, which is infeasible anyway and keeps sums far from overflow."""
-    def up(vals: tuple[int, ...]) -> np.ndarray:
-        return np.array([min(-(-v * slots // max_budget), slots + 1) for v in vals], dtype=np.int64)
+def dp_sizes(chain: Chain) -> dict[str, np.ndarray]:
+    """The sizes the DP charges, in bytes (DESIGN §4, amended by §8 for ``chain.shared``).
 
-    return {"x": np.append(up(chain.x), 0), "xbar": up(chain.xbar), "fwd_tmp": up(chain.fwd_tmp),
-            "bwd_tmp": up(chain.bwd_tmp)}
+    - ``x`` (L+2 entries, ``x[L+1] = 0``): the gradients δ_i (never shared).
+    - ``xs[i, j]`` (i < j <= L): the part of the value x_j that is not in x_i: ``x[j]`` less the shared tensors that
+      cross every cut ``i..j``. The DP charges a value x_j (a checkpoint, the held output) so while x_i, from which
+      it was computed, is resident; the two then hold the same instance of those tensors (the simulator's rule).
+    - ``xbar[i]``: x̄_{i+1} less the shared tensors it has in common with x_i. Exact: x_i stays resident from
+      Fall(i) to B(i) (B(i) needs it; nothing frees it before: Fn(i) cannot run while x_{i+1} is resident).
+    - ``fwd_tmp``, ``bwd_tmp``: as in the chain.
+
+    With ``chain.shared == ()`` these are the chain's own sizes (``xs[i, j] == x[j]``).
+    """
+    L = chain.length
+    x = np.asarray(chain.x, dtype=np.int64)
+    span = np.zeros((L + 1, L + 1), np.int64)  # span[i, j], i <= j: bytes of shared tensors crossing all of i..j
+    for first, last, nbytes in chain.shared:
+        span[first:last + 1, first:last + 1] += nbytes
+    xs = np.triu(x[None, :] - span, 1)
+    xbar = np.asarray(chain.xbar, dtype=np.int64) - span[np.arange(L), np.arange(1, L + 1)]
+    return {"x": np.append(x, 0), "xs": xs, "xbar": xbar, "fwd_tmp": np.asarray(chain.fwd_tmp, dtype=np.int64),
+            "bwd_tmp": np.asarray(chain.bwd_tmp, dtype=np.int64)}
+
+
+def _slot_sizes(chain: Chain, max_budget: int, slots: int) -> dict[str, np.ndarray]:
+    """:func:`dp_sizes` in slots, rounded up (exact integer arithmetic); anything above the whole budget is capped
+    at slots + 1, which is infeasible anyway and keeps sums far from overflow."""
+    def up(v: np.ndarray) -> np.ndarray:
+        if slots == max_budget:
+            return np.minimum(v, slots + 1)
+        if int(v.max(initial=0)) < 2**62 // slots:
+            return np.minimum(-(-v * slots // max_budget), slots + 1)
+        return np.array([min(-(-int(b) * slots // max_budget), slots + 1) for b in v.ravel()],
+                        dtype=np.int64).reshape(v.shape)
+
+    return {k: up(v) for k, v in dp_sizes(chain).items()}
 
 
 def _read_bytes(value: Any, what: str = "the budget") -> int:
@@ -582,9 +617,8 @@ def store_all_peak(chain: Chain) -> int:
 
 def least_budget(chain: Chain) -> int:
     """The least budget (bytes, exact) within which any schedule of ``chain`` fits."""
-    arr = chain.arrays()
-    x = np.append(arr["x"], 0)
-    return int(arr["x"][0] + _kernels()["least"](x, arr["xbar"], arr["fwd_tmp"], arr["bwd_tmp"]))
+    z = dp_sizes(chain)
+    return int(z["x"][0] + _kernels()["least"](z["x"], z["xs"], z["xbar"], z["fwd_tmp"], z["bwd_tmp"]))
 
 
 def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *, offload: bool = False,
@@ -627,7 +661,7 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     Cch = np.empty((rows, slots + 1), choice_type)
     D = np.empty((L + 1, slots + 1), np.float64)
     Dch = np.empty((L + 1, slots + 1), choice_type)
-    _kernels()["fill"](sizes["x"], sizes["xbar"], sizes["fwd_tmp"], sizes["bwd_tmp"], arr["fwd_time"],
+    _kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["fwd_tmp"], sizes["bwd_tmp"], arr["fwd_time"],
                        arr["bwd_time"], C, Cch, D, Dch)
     D0 = D[0].copy()
     del C, D  # only the choices (and the answers D[., 0]) are kept

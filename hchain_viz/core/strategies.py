@@ -8,7 +8,19 @@ The families, from fastest/largest to slowest/smallest:
 - :func:`revolve`: Griewank–Walther binomial checkpointing, treating every stage as one uniform step.
 - :func:`recompute_all`: keep only the input; recompute every stage's input from it.
 
-They are reference points: the optimal solver's frontier lies on or below every one of them.
+Transformer baselines, for chains whose stages are grouped into layers (``chain.groups``) and tagged
+(``chain.tags``), as sub-layer profiles are (DESIGN §8):
+
+- :func:`per_layer`: full per-layer recomputation (Hugging Face ``gradient_checkpointing_enable()``, Megatron
+  ``--recompute-granularity full``): keep each layer's input, recompute the layer in the backward.
+- :func:`selective`: Megatron's selective recomputation: keep everything except the core attention (stages tagged
+  ``"attn_core"``), which is recomputed in the backward.
+- :func:`layer_periodic` / :func:`best_layer_periodic`: ``checkpoint_sequential`` over whole layers (each ungrouped
+  stage, such as the embedding or the head, counts as one unit beside the layers).
+
+They are reference points: the optimal solver's frontier lies on or below every one of them. A family that needs
+structure the chain lacks raises :class:`HChainError` saying how to get it; :func:`applicable` names the families a
+chain supports, and the registry helpers below skip the others.
 
 Two ways to use them besides calling the functions directly:
 
@@ -34,8 +46,13 @@ from .units import format_bytes, parse_bytes
 
 __all__ = [
     "store_all", "recompute_all", "periodic", "sqrt_n", "revolve", "chen_greedy", "best_periodic",
-    "STRATEGIES", "baseline_schedules", "frontier_points", "pareto",
+    "per_layer", "selective", "layer_periodic", "best_layer_periodic",
+    "STRATEGIES", "applicable", "baseline_schedules", "frontier_points", "pareto",
 ]
+
+ATTN_CORE = "attn_core"  # the tag of the stages Megatron's selective recomputation recomputes
+_HOW_TO_GROUP = ("profile the model at sub-layer granularity (hcv.profile(model, x, granularity=\"sublayer\")), "
+                 "which records them, or build the Chain with groups=[(name, first_stage, last_stage), ...] and tags")
 
 Budget = int | str | None
 Point = tuple[int, float]  # (simulated peak bytes, makespan seconds)
@@ -83,6 +100,115 @@ def sqrt_n(chain: Chain) -> Schedule:
     segments = max(1, round(math.sqrt(chain.length)))
     s = periodic(chain, segments)
     return Schedule(s.ops, {"strategy": "sqrt_n", "segments": segments})
+
+
+# ---------------------------------------------------------------------------------------------------- transformers
+def per_layer(chain: Chain) -> Schedule:
+    """Full per-layer recomputation (Hugging Face ``gradient_checkpointing_enable()``, Megatron "full").
+
+    Each layer (``chain.groups``) runs forward without autograd keeping only its input (``Fck`` on its first stage,
+    ``Fn`` through the rest); in the backward it is run again with autograd just before its backwards. Stages outside
+    every layer (embedding, head) store what they save, as those libraries leave them.
+    """
+    runs = [(first, last) for _, first, last in _need_groups(chain, "per_layer")]
+    return _recompute_runs(chain, runs, {"strategy": "per_layer"})
+
+
+def selective(chain: Chain) -> Schedule:
+    """Megatron's selective recomputation (Korthikanti et al. 2022): store everything except the core attention.
+
+    Each run of consecutive stages tagged ``"attn_core"`` (scores, softmax, probabilities times values) runs
+    forward without autograd, keeping its input, and is recomputed with autograd just before its backwards; every
+    other stage stores what it saves.
+    """
+    runs = _tag_runs(chain, ATTN_CORE)
+    if not runs:
+        raise HChainError(f"selective recomputation needs the core-attention stages tagged {ATTN_CORE!r} "
+                          f"(chain.tags), and this chain has none; {_HOW_TO_GROUP}")
+    return _recompute_runs(chain, runs, {"strategy": "selective"})
+
+
+def layer_periodic(chain: Chain, segments: int) -> Schedule:
+    """``checkpoint_sequential(layers, segments, x)`` over whole layers.
+
+    The units are the layers of ``chain.groups`` plus every stage outside them (each its own unit), in order; they
+    are split as :func:`periodic` splits stages (``segments - 1`` checkpointed segments of ``U // segments`` units,
+    then the rest, stored).
+    """
+    units = _units(chain)
+    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= len(units):
+        raise HChainError(f"segments must be an integer from 1 to the number of layers and other stages "
+                          f"({len(units)}), got {segments!r}")
+    size = len(units) // segments
+    starts = tuple(units[u] for u in range(0, size * segments, size))
+    return _segmented(chain, starts, {"strategy": "layer_periodic", "segments": segments})
+
+
+def best_layer_periodic(chain: Chain, budget: Budget = None) -> Schedule:
+    """The fastest :func:`layer_periodic` schedule (over every segment count) whose simulated peak fits
+    ``budget``."""
+    b = _parse_budget(budget)
+    scored = [(_score(chain, layer_periodic(chain, n)), n) for n in range(1, len(_units(chain)) + 1)]
+    return layer_periodic(chain, _pick(scored, b, "layer_periodic"))
+
+
+def _need_groups(chain: Chain, name: str) -> tuple[tuple[str, int, int], ...]:
+    if not chain.groups:
+        raise HChainError(f"{name} needs to know which stages form a layer (chain.groups), and this chain has no "
+                          f"groups; {_HOW_TO_GROUP}")
+    return chain.groups
+
+
+def _units(chain: Chain) -> list[int]:
+    """First stages of the layers and of every stage outside them, in order (checkpoint_sequential's units)."""
+    groups = _need_groups(chain, "layer_periodic")
+    inside = {i for _, first, last in groups for i in range(first + 1, last + 1)}
+    return [i for i in range(chain.length) if i not in inside]
+
+
+def _tag_runs(chain: Chain, tag: str) -> list[tuple[int, int]]:
+    """Maximal runs ``(first, last)`` of consecutive stages tagged ``tag``, not crossing a layer boundary."""
+    starts = {first for _, first, _ in chain.groups}
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(chain.tags):
+        if t != tag:
+            continue
+        if runs and runs[-1][1] == i - 1 and i not in starts:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+def _recompute_runs(chain: Chain, runs: list[tuple[int, int]], meta: dict) -> Schedule:
+    """Recompute the stage ranges ``runs`` (disjoint, increasing) in the backward; store every other stage.
+
+    Forward: a run is ``Fck(first) Fn(first+1..last)``, any other stage ``Fall``. Backward, from the last stage: a
+    run is ``Fall(first..last) B(last..first)``, any other stage ``B``.
+    """
+    L = chain.length
+    ends = {last: first for first, last in runs}
+    starts = {first: last for first, last in runs}
+    ops: list[Op] = []
+    i = 0
+    while i < L:
+        if i in starts:
+            ops += _advance(i, starts[i] + 1)
+            i = starts[i] + 1
+        else:
+            ops.append(Op("Fall", i))
+            i += 1
+    ops.append(Op("Loss", L))
+    i = L - 1
+    while i >= 0:
+        if i in ends:
+            first = ends[i]
+            ops += [Op("Fall", k) for k in range(first, i + 1)] + [Op("B", k) for k in range(i, first - 1, -1)]
+            i = first - 1
+        else:
+            ops.append(Op("B", i))
+            i -= 1
+    return Schedule(tuple(ops), dict(meta))
 
 
 # ---------------------------------------------------------------------------------------------------- budget-driven
@@ -169,15 +295,31 @@ STRATEGIES: dict[str, Callable[..., Schedule]] = {
     "chen_greedy": chen_greedy,
     "revolve": revolve,
     "recompute_all": _fixed(recompute_all, "recompute_all"),
+    "per_layer": _fixed(per_layer, "per_layer"),
+    "selective": _fixed(selective, "selective"),
+    "layer_periodic": best_layer_periodic,
+}
+
+# What each structure-dependent family needs from the chain (the others apply to every chain).
+_NEEDS: dict[str, Callable[[Chain], bool]] = {
+    "per_layer": lambda chain: bool(chain.groups),
+    "layer_periodic": lambda chain: bool(chain.groups),
+    "selective": lambda chain: ATTN_CORE in chain.tags,
 }
 
 
+def applicable(chain: Chain) -> list[str]:
+    """Names of the registered families that can run on ``chain`` (the transformer ones need groups / tags)."""
+    return [name for name in STRATEGIES if _NEEDS.get(name, lambda _: True)(chain)]
+
+
 def baseline_schedules(chain: Chain, budget: Budget = None) -> dict[str, Schedule]:
-    """Every registered family's schedule at ``budget`` (``None``: no limit); families that cannot fit are left out."""
+    """Every applicable family's schedule at ``budget`` (``None``: no limit); families that cannot fit are left
+    out."""
     out = {}
-    for name, fn in STRATEGIES.items():
+    for name in applicable(chain):
         try:
-            out[name] = fn(chain, budget)
+            out[name] = STRATEGIES[name](chain, budget)
         except InfeasibleBudget:
             pass
     return out
@@ -187,7 +329,8 @@ def baseline_schedules(chain: Chain, budget: Budget = None) -> dict[str, Schedul
 def frontier_points(chain: Chain) -> dict[str, list[Point]]:
     """For each family, the (simulated peak bytes, makespan seconds) of every schedule it can produce.
 
-    ``store_all``, ``sqrt_n``, ``recompute_all``: one point each; ``periodic``: one per segment count;
+    ``store_all``, ``sqrt_n``, ``recompute_all``, ``per_layer``, ``selective``: one point each; ``periodic`` and
+    ``layer_periodic``: one per segment count;
     ``revolve``: one per number of checkpoint slots (each is what some budget selects); ``chen_greedy``: one per
     distinct segmentation of the threshold sweep. On long chains periodic and revolve are sampled (every count up to
     32, then about 10% apart) to keep this interactive. Points are distinct and sorted by peak, then time; they are
@@ -202,6 +345,11 @@ def frontier_points(chain: Chain) -> dict[str, list[Point]]:
         "revolve": [_revolve_schedule(L, c, None) for c in _sampled_counts(0, max(0, L - 2))],
         "recompute_all": [recompute_all(chain)],
     }
+    if _NEEDS["per_layer"](chain):
+        schedules["per_layer"] = [per_layer(chain)]
+        schedules["layer_periodic"] = [layer_periodic(chain, n) for n in _sampled_counts(1, len(_units(chain)))]
+    if _NEEDS["selective"](chain):
+        schedules["selective"] = [selective(chain)]
     return {name: sorted({_score(chain, s) for s in ss}) for name, ss in schedules.items()}
 
 

@@ -38,7 +38,7 @@ from ..core import device as D
 from ..core.chain import Chain
 from ..core.schedule import Schedule
 from ..core.simulate import simulate
-from ..core.strategies import STRATEGIES
+from ..core.strategies import STRATEGIES, applicable
 from ..core.units import format_bytes, format_time, parse_bytes
 from ..errors import DependencyError, DoesNotFit, HChainError, InfeasibleBudget
 from . import figures as F
@@ -107,7 +107,7 @@ class Explorer:
         The initial budget (bytes or text like ``"300MiB"``); halfway between the least feasible budget and
         store-all's peak when omitted.
     strategy:
-        The strategy shown: ``"optimal"`` or a baseline name of ``hcv.strategies.STRATEGIES``.
+        The strategy shown: ``"optimal"`` or a baseline name of ``hcv.strategies.STRATEGIES`` that applies to the chain.
     baselines:
         Baselines drawn on the frontier: None (all), False (none), or a list of names (see :func:`figures.frontier`).
     throttle_ms:
@@ -129,7 +129,7 @@ class Explorer:
         if solution is not None and getattr(solution, "chain", None) != chain:
             raise HChainError("the solution was solved for another chain; pass solution=hcv.solve(chain) for this one")
         self.model = model
-        self._strategies = [OPTIMAL, *STRATEGIES]
+        self._strategies = [OPTIMAL, *applicable(chain)]  # the transformer baselines need groups / tags
         self._baselines = baselines
         self._base_chain = chain  # the chain as given: batch sizes are taken from its fit
         self._device: int | None = None  # bytes of the chosen device (None: no device chosen)

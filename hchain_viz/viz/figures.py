@@ -109,11 +109,31 @@ def timeline_traces(view: TraceView, step: int | None = None, unit: tuple[str, i
     return out
 
 
+_MAX_LABELS = 24  # stage-axis labels at most (~24 stay readable at the figures' heights)
+_BAND_FILL = "rgba(0, 0, 0, 0.05)"
+
+
 def _stage_axis(view: TraceView, loss_label: str = "loss", lanes: bool = False) -> dict:
-    """Stage rows 0..L (L: the loss); with ``lanes`` and transfers, two more rows for the transfer channels."""
-    L = view.trace.chain.length
-    names = list(view.trace.chain.names) + [loss_label]
-    every = max(1, (L + 1) // 24)  # at most ~24 labels
+    """The stage axis: one row per stage and the loss. A chain with layers (``chain.groups``, a sub-layer profile)
+    is labelled by layer at the layer's middle, with a minor tick per stage; otherwise by stage. Labels are thinned
+    to at most ~24. With ``lanes`` and transfers, two more rows for the transfer channels (DESIGN §9)."""
+    chain = view.trace.chain
+    L = chain.length
+    names = list(chain.names) + [loss_label]
+    if chain.groups:
+        inside = {i for _, first, last in chain.groups for i in range(first, last + 1)}
+        marks = sorted([((first + last) / 2, name) for name, first, last in chain.groups]
+                       + [(i, names[i]) for i in range(L + 1) if i not in inside])
+        every = -(-len(marks) // _MAX_LABELS)
+        marks = marks[::every] + ([marks[-1]] if (len(marks) - 1) % every else [])
+        top = L
+        if lanes and view.trace.n_transfers:
+            marks += [(L + 1, "link → host"), (L + 2, "link → device")]
+            top = L + 2
+        return dict(tickmode="array", tickvals=[v for v, _ in marks], ticktext=[t for _, t in marks],
+                    minor=dict(tickmode="array", tickvals=list(range(L + 1)), ticks="inside", ticklen=4),
+                    range=[-0.6, top + 0.6], title_text="layer", zeroline=False, showgrid=False)
+    every = max(1, (L + 1) // _MAX_LABELS)
     vals = list(range(0, L + 1, every))
     if vals[-1] != L:
         vals.append(L)
@@ -133,6 +153,14 @@ def _estimate_note(view: TraceView) -> str:
     return f" · times: {times.split(' from ')[0]}" if isinstance(times, str) and times.startswith("estimate") else ""
 
 
+def _layer_bands(view: TraceView) -> list[dict]:
+    """Shaded horizontal bands behind every other layer of ``chain.groups`` (none without groups), so the
+    sub-stages of one layer read as one block."""
+    return [dict(type="rect", xref="paper", x0=0, x1=1, yref="y", y0=first - 0.5, y1=last + 0.5, layer="below",
+                 fillcolor=_BAND_FILL, line_width=0)
+            for n, (_, first, last) in enumerate(view.trace.chain.groups) if n % 2 == 0]
+
+
 def _rows_height(view: TraceView) -> int:
     return max(260, min(640, 140 + 14 * (view.trace.chain.length + 1)))  # ~14 px per stage row
 
@@ -145,7 +173,7 @@ def timeline_layout(view: TraceView, step: int | None = None, title: str | None 
                             + _estimate_note(view), height=_rows_height(view))
     lay.update(barmode="overlay", bargap=0, yaxis=_stage_axis(view, lanes=True),
                xaxis=dict(style.TIME_AXIS, range=[0, max(view.makespan, 1e-12)]),
-               shapes=_cursor_shapes(view, step))
+               shapes=_cursor_shapes(view, step) + _layer_bands(view))  # the cursor first, as without layers
     return lay
 
 
@@ -274,15 +302,17 @@ def memory_curve(trace: Trace, budget: int | None = None, step: int | None = Non
 
 
 # ====================================================================== storage tape
-TAPE_KINDS = ("xbar", "out", "delta", "x")  # drawing order: narrow bars last, on top
+TAPE_KINDS = ("xbar", "out", "delta", "x", "shared")  # drawing order: narrow bars last, on top
 
 
 def tape_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] | None = None) -> list[dict]:
-    """Five bar traces (x̄, output, gradient, checkpoint, and values on the host) of item lifetimes; up to ``step``
-    ops when given.
+    """Six bar traces (x̄, output, gradient, checkpoint, shared tensor, and values on the host) of item lifetimes;
+    up to ``step`` ops when given.
 
     Row i holds x_i (its input, kept as a checkpoint), x̄_{i+1} (what its recording forward saved) and δ_i (the
-    gradient its backward produced); row L holds the output x_L and δ_L.
+    gradient its backward produced); row L holds the output x_L and δ_L. A tensor shared by several cuts from x_i on
+    (DESIGN §8, e.g. the residual stream) is one thin bar on row i while any value holds it; the others leave its
+    bytes out of their own.
     """
     uname, scale = unit or style.byte_unit(view.peak)
     if step is None:
@@ -295,7 +325,8 @@ def tape_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] 
     for kind in TAPE_KINDS:
         m = keep & (view.item_kind == kind)
         stage = view.item_stage[m]  # items carry their row already: ("out", L), ("delta", L) sit on the loss row
-        sub = {"x": "x_%d", "xbar": "x̄_%d", "out": "output x_%d", "delta": "δ_%d"}[kind]
+        sub = {"x": "x_%d", "xbar": "x̄_%d", "out": "output x_%d", "delta": "δ_%d",
+               "shared": "shared tensor from x_%d"}[kind]
         shift = 1 if kind == "xbar" else 0
         text = np.array([sub % (s + shift) for s in stage.tolist()] + [""], dtype=object)[:-1]
         out.append(dict(
@@ -328,7 +359,7 @@ def tape_layout(view: TraceView, step: int | None = None, title: str | None = No
                             height=_rows_height(view))
     lay.update(barmode="overlay", bargap=0, yaxis=_stage_axis(view, "output / loss"),
                xaxis=dict(style.TIME_AXIS, range=[0, max(view.makespan, 1e-12)]),
-               shapes=_cursor_shapes(view, step))
+               shapes=_cursor_shapes(view, step) + _layer_bands(view))  # the cursor first, as without layers
     return lay
 
 

@@ -35,10 +35,10 @@ KIND_COLORS = {
 }
 KIND_LABELS = {"x": "checkpoints x", "saved": "saved activations x̄ / output", "delta": "gradients δ"}
 # Storage tape: one colour per item kind, drawn as bars of different widths so co-resident items stay visible.
-TAPE_COLORS = {"xbar": "#6baed6", "out": "#9467bd", "delta": "#fd8d3c", "x": "#238b45"}
+TAPE_COLORS = {"xbar": "#6baed6", "out": "#9467bd", "delta": "#fd8d3c", "x": "#238b45", "shared": "#74c476"}
 TAPE_LABELS = {"xbar": "full x̄ (saved for backward)", "out": "output x_L (held)", "delta": "gradient δ",
-               "x": "checkpoint x"}
-TAPE_WIDTHS = {"xbar": 0.9, "out": 0.9, "delta": 0.6, "x": 0.35}
+               "x": "checkpoint x", "shared": "shared tensor (counted once)"}
+TAPE_WIDTHS = {"xbar": 0.9, "out": 0.9, "delta": 0.6, "x": 0.35, "shared": 0.15}
 
 TOTAL_COLOR = "#222222"
 BUDGET_COLOR = "#000000"
@@ -55,6 +55,9 @@ STRATEGY_COLORS = {
     "sqrt_n": "#9467bd",
     "revolve": "#e377c2",
     "chen_greedy": "#bcbd22",
+    "per_layer": "#d62728",
+    "selective": "#ff7f0e",
+    "layer_periodic": "#17becf",
 }
 _CYCLE = ("#17becf", "#ff7f0e", "#d62728", "#aec7e8", "#98df8a", "#c5b0d5")
 

@@ -16,7 +16,7 @@ from ..core.simulate import Trace
 
 # Resident item kinds folded into the three memory layers of the memory figure.
 LAYERS = ("x", "saved", "delta")
-_LAYER_OF = {"x": 0, "xbar": 1, "out": 1, "delta": 2}
+_LAYER_OF = {"x": 0, "shared": 0, "xbar": 1, "out": 1, "delta": 2}  # shared: a tensor in several x (§8)
 # Op categories of the timeline, in trace order.
 CATEGORIES = ("forward", "recompute", "backward", "loss", "offload", "prefetch")
 
@@ -41,7 +41,7 @@ class TraceView:
     mem_peak: np.ndarray
     mem_after: np.ndarray
     layers: np.ndarray
-    item_kind: np.ndarray  # object array of "x", "xbar", "out", "delta"
+    item_kind: np.ndarray  # object array of "x", "xbar", "out", "delta", "shared"
     item_stage: np.ndarray
     item_size: np.ndarray
     item_t0: np.ndarray
