@@ -3,6 +3,7 @@
     import hchain_viz as hcv
     chain = hcv.profile(model, x)            # per-stage times and sizes
     sol = hcv.solve(chain)                   # the optimal DP, for every budget at once
+    # hcv.solve(chain.with_bandwidth("pcie5"), offload=True): recompute or offload to host memory
     schedule = sol.schedule(budget_bytes)    # a list of Fck/Fn/Fall/Loss/B ops
     trace = hcv.simulate(chain, schedule)    # predicted time and memory, op by op
     wrapped = hcv.wrap(model, schedule)      # train with it: same gradients, less memory
@@ -18,7 +19,8 @@ import importlib
 from typing import Any
 
 from .core import strategies
-from .core.chain import Chain
+from .core.chain import BANDWIDTH_PRESETS, Chain
+from .core.offload import OffloadSolution
 from .core.schedule import Op, Schedule
 from .core.simulate import Trace, simulate
 from .core.solver import Solution, optimal_schedule, solve
@@ -53,7 +55,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "Chain", "Schedule", "Op", "Trace", "Solution", "simulate", "solve", "optimal_schedule", "strategies",
+    "Chain", "Schedule", "Op", "Trace", "Solution", "OffloadSolution", "BANDWIDTH_PRESETS", "simulate", "solve",
+    "optimal_schedule", "strategies",
     "format_bytes", "format_time", "parse_bytes",
     "HChainError", "InvalidChain", "InvalidSchedule", "InfeasibleBudget", "NotSequentialError", "ProfileError",
     "TimingWarning",

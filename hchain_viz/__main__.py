@@ -4,7 +4,8 @@
 - ``profile MODEL``: profile a built-in model (``resnet_chain``) or ``module:function`` and write a Chain JSON.
 - ``solve CHAIN.json``: print the time-vs-memory frontier and write the optimal schedule JSON for ``--budget``.
 - ``fit MODEL --device-memory 24GiB``: will a training step fit? The largest batch per strategy on that device.
-- ``bench NAME``: run a benchmark (solver, profile, train, widget, models, fit, gpu) and print its table.
+- ``bench NAME``: run a benchmark (solver, profile, train, widget, models, fit, gpu, compile, transformers,
+  offload) and print its table.
 """
 
 from __future__ import annotations

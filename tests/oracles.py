@@ -539,3 +539,59 @@ def _frozen_invalid(k: int, op: Op, why: str) -> InvalidSchedule:
 def _frozen_input_available(res: dict, i: int) -> bool:
     """x_i is resident as a plain activation, or inside x̄_i (what Fall(i-1) left), or it is the caller's x_0."""
     return ("x", i) in res or (i > 0 and ("xbar", i - 1) in res)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Exhaustive search with offloading (DESIGN §9)
+# ----------------------------------------------------------------------------------------------------------------
+def all_remat_schedules(chain: Chain) -> list[tuple[Op, ...]]:
+    """Every complete remat-only op sequence of the model (no budget), by depth-first search over :func:`step`; a
+    path never revisits a state, so the search ends."""
+    ops = all_ops(chain.length)
+    out: list[tuple[Op, ...]] = []
+
+    def dfs(state: State, path: tuple[Op, ...], seen: frozenset) -> None:
+        if is_final(chain, state):
+            out.append(path)
+            return
+        for op, nxt, _, _ in _successors(chain, state, ops, False):
+            if nxt not in seen:
+                dfs(nxt, path + (op,), seen | {nxt})
+
+    start = initial_state(chain)
+    dfs(start, (), frozenset({start}))
+    return out
+
+
+def brute_offload(chain: Chain, max_offloads: int = 1) -> list[tuple[int, float, Schedule]]:
+    """Every remat-only sequence with up to ``max_offloads`` Off/Pre pairs inserted at *every* pair of positions
+    (Off before Pre), each replayed by ``simulate`` (the judge; invalid ones are skipped): ``(peak, makespan,
+    schedule)`` of each valid one. Knows nothing of the solver's gaps or look-ahead."""
+    from hchain_viz.core.simulate import simulate
+
+    found = []
+
+    def insert(ops: tuple[Op, ...], left: int, lo_stage: int) -> None:
+        try:
+            trace = simulate(chain, Schedule(ops))
+        except InvalidSchedule:
+            trace = None
+        if trace is not None:
+            found.append((trace.peak_memory, trace.makespan, trace.schedule))
+        if left == 0:
+            return
+        n = len(ops)
+        for i in range(lo_stage, chain.length):
+            for p in range(n + 1):
+                for q in range(p + 1, n + 2):
+                    new = ops[:p] + (Op("Off", i),) + ops[p:]
+                    new = new[:q] + (Op("Pre", i),) + new[q:]
+                    insert(new, left - 1, i + 1)
+
+    for base in all_remat_schedules(chain):
+        insert(base, max_offloads, 0)
+    return found
+
+
+def best_within(found: list[tuple[int, float, Schedule]], budget: int) -> float:
+    return min((t for p, t, _ in found if p <= budget), default=INF)

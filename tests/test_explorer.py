@@ -379,3 +379,24 @@ def test_a_chain_of_compiled_stages_says_so(ex, chain, solution):
     assert "compiled" not in ex._head.value
     compiled = dataclasses.replace(chain, meta={**chain.meta, "compile": "fullgraph=True"})
     assert "compiled stages" in Explorer(compiled, solution=solution)._head.value
+
+
+def test_explorer_shows_an_offload_solution():
+    """Explorer(chain, solution=hcv.solve(chain, offload=True)): the schedules carry transfers, the timeline their
+    lanes, the frontier both curves (DESIGN §9)."""
+    import hchain_viz as hcv
+
+    base = hcv.Chain.random(10, seed=3)
+    chain = hcv.Chain(fwd_time=[t / 20 for t in base.fwd_time], bwd_time=[t / 20 for t in base.bwd_time], x=base.x,
+                      xbar=base.xbar, fwd_tmp=base.fwd_tmp, bwd_tmp=base.bwd_tmp, bandwidth="nvlink-c2c")
+    sol = hcv.solve(chain, offload=True, grid=12)
+    ex = hcv.Explorer(chain, solution=sol, baselines=False)
+    seen = 0
+    for b in sol.grid:
+        if b >= ex.min_budget:
+            ex.budget = b
+            assert ex.trace.makespan == pytest.approx(sol.makespan(b), rel=1e-9)
+            seen += ex.schedule.n_transfers > 0
+    assert seen
+    names = [t.name for t in ex.figures["frontier"].data]
+    assert "optimal, remat only" in names

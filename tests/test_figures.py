@@ -67,7 +67,7 @@ def test_timeline_colours_recomputation_apart(traces):
     fig = F.timeline(traces["handmade"])
     recomputed = by_name(fig, style.OP_LABELS["recompute"])
     assert recomputed.marker.color == style.OP_COLORS["recompute"]
-    assert len({style.OP_COLORS[c] for c in style.OP_COLORS}) == 4  # four distinct colours
+    assert len({style.OP_COLORS[c] for c in style.OP_COLORS}) == len(style.OP_COLORS)  # all distinct
     assert sorted(np.asarray(recomputed.y).tolist()) == [0, 1, 2]  # Fall0, Fall1, Fall2 run a second time
     assert len(by_name(F.timeline(traces["store_all"]), style.OP_LABELS["recompute"]).y) == 0
 
@@ -298,3 +298,72 @@ def test_sub_layer_chain_is_drawn_by_layer():
         assert (bands[0].y0, bands[0].y1) == (1 - 0.5, 6 + 0.5)  # h.0 is stages 1..6
     plain = F.timeline(hcv.simulate(hcv.Chain.random(6, seed=0), strategies.store_all(hcv.Chain.random(6, seed=0))))
     assert plain.layout.yaxis.title.text == "stage" and len(plain.layout.shapes) == 1
+
+
+# ---------------------------------------------------------------------------------------------- transfers (§9)
+@pytest.fixture(scope="module")
+def offload_trace():
+    """x̄_1 offloaded during the forward and prefetched late enough that B1 waits for it."""
+    ch = hcv.Chain(fwd_time=[1.0] * 4, bwd_time=[1.0] * 4, x=[1] * 5, xbar=[10] * 4, bandwidth=4.0)
+    return hcv.simulate(ch, hcv.Schedule.parse("Fall0 Fall1 Off0 Fall2 Fall3 Loss B3 Pre0 B2 B1 B0"))
+
+
+def test_timeline_transfer_lanes_and_idle(offload_trace):
+    t = offload_trace
+    fig = F.timeline(t)
+    L = t.chain.length
+    off, pre, idle = by_name(fig, "offload → host"), by_name(fig, "prefetch → device"), fig.data[-1]
+    (e_off,) = [e for e in t.events if e.op.kind == "Off"]
+    (e_pre,) = [e for e in t.events if e.op.kind == "Pre"]
+    assert list(off.y) == [L + 1] and list(off.base) == [e_off.start] and list(off.x) == [e_off.end - e_off.start]
+    assert list(pre.y) == [L + 2] and list(pre.base) == [e_pre.start]
+    (w,) = t.idle
+    assert list(idle.base) == [w.start] and list(idle.x) == [w.end - w.start] and idle.showlegend
+    assert list(idle.y) == [t.events[w.index].op.stage]
+    assert "link → host" in fig.layout.yaxis.ticktext and "idle" in fig.layout.title.text
+    # a remat-only trace keeps the lanes empty and the axis without them (same number of traces for the explorer)
+    plain = F.timeline(hcv.simulate(t.chain, hcv.strategies.store_all(t.chain)))
+    assert len(plain.data) == len(fig.data) and len(plain.data[-1].x) == 0
+    assert "link → host" not in plain.layout.yaxis.ticktext
+
+
+def test_memory_curve_host_band_and_device_layers(offload_trace):
+    t = offload_trace
+    fig = F.memory_curve(t, budget=40)
+    total = by_name(fig, "total (with transients)")
+    tt, mm = t.memory_curve()
+    assert list(total.y) == mm.tolist() and max(total.y) == t.peak_memory
+    host = by_name(fig, "on host (not on the device)")
+    th, mh = t.host_curve()
+    assert list(host.y) == mh.tolist() and max(host.y) == 10
+    # the stacked layers end at the device's resident bytes (no transients): x̄_1 absent while on the host
+    top = np.asarray(fig.data[2].y)  # cumulative: x + saved + delta
+    t_layer = np.asarray(fig.data[2].x)
+    hosted = (t_layer >= th[np.argmax(mh)]) & (t_layer < th[len(mh) - 1 - np.argmax(mh[::-1])])
+    assert hosted.any() and top.max() <= t.peak_memory
+    step = F.memory_curve(t, step=5)
+    assert max(np.asarray(step.data[3].x)) <= max(e.end for e in t.events[:5])
+
+
+def test_tape_marks_values_on_the_host(offload_trace):
+    t = offload_trace
+    fig = F.storage_tape(t)
+    host = by_name(fig, "on host")
+    (h,) = t.host_lifetimes
+    assert list(host.y) == [0] and list(host.base) == [t.events[h.created].end]
+    assert list(host.x) == [t.events[h.freed].end - t.events[h.created].end]
+    assert len(by_name(F.storage_tape(t, step=h.created), "on host").y) == 0
+
+
+def test_frontier_of_an_offload_solution_shows_both_curves():
+    c = hcv.Chain.random(10, seed=3)
+    c = hcv.Chain(fwd_time=[v / 20 for v in c.fwd_time], bwd_time=[v / 20 for v in c.bwd_time], x=c.x, xbar=c.xbar,
+                  fwd_tmp=c.fwd_tmp, bwd_tmp=c.bwd_tmp, bandwidth="nvlink-c2c")
+    sol = hcv.solve(c, offload=True, grid=8)
+    fig = F.frontier(sol, strategies=False)
+    main, remat = fig.data[0], by_name(fig, F.REMAT_ONLY)
+    assert main.name == "optimal + offload"
+    assert list(remat.x) == [b for b, _ in sol.remat.frontier()]
+    # the remat+offload curve is never above the remat-only one
+    for b, t in zip(main.x, main.y):
+        assert t <= sol.remat.makespan(int(b)) * (1 + 1e-12)

@@ -514,3 +514,73 @@ def test_torchvision_style_resnet_with_custom_forward():
         assert torch.equal(p.grad, q.grad)
     for a, b in zip(wrapped.model.buffers(), eager.buffers()):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- transfers (§9)
+def _offload_everything(L: int) -> hcv.Schedule:
+    """Store-all with every x̄ sent to the host during the forward and brought back just in time."""
+    ops = ["Fall0"]
+    for i in range(1, L):
+        ops += [f"Fall{i}", f"Off{i - 1}"]
+    ops += [f"Off{L - 1}", "Loss", f"Pre{L - 1}"]
+    for i in range(L - 1, -1, -1):
+        if i > 0:
+            ops.append(f"Pre{i - 1}")
+        ops.append(f"B{i}")
+    return hcv.Schedule.parse(" ".join(ops), strategy="offload_everything")
+
+
+@functools.cache
+def offload_schedules_for(L: int) -> dict[str, hcv.Schedule]:
+    """Offloading everything, and the offload solver's schedules at a few budgets on a GPU-like random chain."""
+    out = {"offload_everything": _offload_everything(L)}
+    c = Chain.random(L, seed=L)
+    chain = Chain(fwd_time=c.fwd_time, bwd_time=c.bwd_time, x=c.x, xbar=c.xbar, fwd_tmp=c.fwd_tmp,
+                  bwd_tmp=c.bwd_tmp, bandwidth=1e12)
+    sol = solve(chain, offload=True, grid=8)
+    for b in sol.grid:
+        s = sol.schedule(b) if sol.makespan(b) < float("inf") else None
+        if s is not None and s.n_transfers and str(s) not in {str(v) for v in out.values()}:
+            out[f"offload@{b}"] = s
+        if len(out) >= 4:
+            break
+    for s in out.values():
+        simulate(chain, s)  # valid
+    return out
+
+
+OFFLOAD_CASES = [(name, sname) for name in MODELS for sname in offload_schedules_for(_n_stages(name))]
+
+
+@pytest.mark.parametrize("name,sname", OFFLOAD_CASES, ids=[f"{m}-{s}" for m, s in OFFLOAD_CASES])
+def test_offload_bitwise_equal_to_eager(name, sname, monkeypatch):
+    """Off/Pre on the CPU path (host copies as plain tensors): outputs, gradients, buffers (BatchNorm) and the RNG
+    (dropout) are identical to eager training, and every Off really swapped tensors for copies."""
+    from hchain_viz.runtime import transfer
+
+    moved = []
+    real_off = transfer.Link.off
+
+    def counting_off(self, i, holders):
+        holders = list(holders)
+        before = [get() for get, _ in holders]
+        real_off(self, i, holders)
+        moved.append(sum(get() is not b for (get, _), b in zip(holders, before)))
+
+    monkeypatch.setattr(transfer.Link, "off", counting_off)
+    model, x = MODELS[name]()
+    schedule = offload_schedules_for(_n_stages(name))[sname]
+    assert_identical(train(model, x, schedule), reference(name))
+    assert len(moved) == 3 * sum(op.kind == "Off" for op in schedule.ops) and sum(moved) > 0
+
+
+def test_offload_matrix_moves_checkpoints_and_saved_activations():
+    """Across the models, the solver's schedules offload both kinds of value (x̄ after Fall, checkpoints after Fck)."""
+    kinds = set()
+    for name in MODELS:
+        L = _n_stages(name)
+        chain = Chain.homogeneous(L).with_bandwidth(1.0)
+        for s in offload_schedules_for(L).values():
+            trace = simulate(chain, s)
+            kinds |= {h.kind for h in trace.host_lifetimes}
+    assert kinds == {"x", "xbar"}

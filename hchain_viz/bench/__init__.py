@@ -8,6 +8,7 @@
 - ``fit``: whole-step peaks and largest batch sizes, predicted vs measured (will it fit, DESIGN §7).
 - ``compile``: compiled stages under the optimal schedule against torch.compile's activation_memory_budget.
 - ``transformers``: transformer chains at module and sub-layer granularity vs per-layer and selective recomputation.
+- ``offload``: remat-only vs remat+offload makespans at three links, in simulation (GPU-like times).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-BENCHMARKS = ("solver", "profile", "train", "widget", "models", "fit", "gpu", "compile", "transformers")
+BENCHMARKS = ("solver", "profile", "train", "widget", "models", "fit", "gpu", "compile", "transformers",
+              "offload")
 
 
 def print_table(head: Sequence[object], rows: Sequence[Sequence[object]], *, left: int = 0, rule: bool = False) -> None:

@@ -53,6 +53,9 @@ class Schedule:
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        if all(type(op) is Op and op.kind in OP_KINDS and type(op.stage) is int and op.stage >= 0 for op in self.ops):
+            object.__setattr__(self, "ops", tuple(self.ops))  # already checked Ops (solvers build these)
+            return
         ops = []
         for k, op in enumerate(self.ops):
             try:

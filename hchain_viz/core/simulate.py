@@ -473,9 +473,9 @@ class _Link:
         """A compute op may not read (its input, x̄ for B) or re-create (a forward's output) a value on the host."""
         if not self.host or kind == "Loss":
             return
-        keys = [("x", i), ("xbar", i - 1), ("xbar", i)] + ([("x", i + 1)] if kind != "B" else [])
-        for s, (key, *_) in self.host.items():
-            if key in keys:
+        for s in (i - 1, i, i + 1):
+            key = self.host[s][0] if s in self.host else None
+            if key in (("x", i), ("xbar", i - 1), ("xbar", i)) or (kind != "B" and key == ("x", i + 1)):
                 what = f"x̄_{s + 1}" if key[0] == "xbar" else f"x_{s}"
                 raise fail(f"{what} is on the host after Off{s}; put Pre{s} before this op")
 

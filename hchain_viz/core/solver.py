@@ -621,14 +621,24 @@ def least_budget(chain: Chain) -> int:
     return int(z["x"][0] + _kernels()["least"](z["x"], z["xs"], z["xbar"], z["fwd_tmp"], z["bwd_tmp"]))
 
 
-def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500) -> Solution:
+def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *, offload: bool = False,
+          grid: Any = None) -> Solution:
     """Solve ``chain`` for every budget up to ``max_budget`` at once.
+
+    ``offload=True``: also offload to host memory over ``chain.bandwidth`` (DESIGN §9) and return an
+    :class:`~hchain_viz.core.offload.OffloadSolution` with the same ``makespan`` / ``schedule`` / ``frontier``
+    methods, precomputed at ``grid`` budgets (default 48; see ``core/offload.py``: a heuristic judged by the
+    simulator, never slower than this remat-only optimum).
 
     ``max_budget``: bytes (int) or text like ``"300MiB"``; default the store-all peak, above which nothing gets
     faster. ``slots``: the memory resolution of the table (capped at ``max_budget``, which makes integer sizes
     exact). Time O(slots·L³), memory about ``slots·L²·5`` bytes while building (only the int16 choices are kept).
     """
     chain = _check_chain(chain)
+    if offload:
+        from .offload import solve_offload
+
+        return solve_offload(chain, max_budget, slots, grid)  # type: ignore[return-value]
     slots = _check_slots(slots)
     peak = store_all_peak(chain)
     if max_budget is None:

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..core.chain import Chain
 from ..errors import NotSequentialError, ProfileError, TimingWarning
+from . import roofline
 from .compiled import compile_options, compile_stage, describe
 from .fixed import check_optimizer, fixed_memory
 from .measure import (
@@ -56,7 +57,8 @@ __all__ = ["profile"]
 def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5,
             progress: bool = True, optimizer: torch.optim.Optimizer | None = None, world_size: int = 1,
-            compile: bool | Mapping[str, Any] = False, granularity: str | int | None = None) -> Chain:
+            compile: bool | Mapping[str, Any] = False, granularity: str | int | None = None,
+            estimate_for: str | None = None) -> Chain:
     """Measure ``model`` stage by stage on ``sample_input`` and return its :class:`Chain`.
 
     ``model``: an ``nn.Sequential`` (nested ones flattened), a list of modules or ``(name, module)`` pairs, or any
@@ -66,6 +68,10 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     output). ``device``: where to run (default: the model's device); the model must already be there.
     ``progress``: show a progress bar while profiling takes more than a moment (in a notebook, a widget that leaves a
     line of text behind).
+
+    ``estimate_for="H100"`` (or ``"A100"``, ``"H200"``): replace the measured times by a roofline *estimate* for that
+    GPU from each stage's FLOP and byte counts (:mod:`~hchain_viz.runtime.roofline`); sizes stay measured.
+    ``meta["times"]`` says "estimate" and ``meta["measured_fwd_time"]`` / ``["measured_bwd_time"]`` keep the real ones.
 
     ``optimizer``: the training step's real optimizer, built on ``model``'s parameters. With it, ``Chain.fixed``
     records the memory no schedule changes — parameters, their gradients, the optimizer's state and its step's
@@ -90,6 +96,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         raise ProfileError(f"warmup must be a non-negative integer, got {warmup!r}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ProfileError(f"repeats must be a positive integer, got {repeats!r}")
+    gpu = None if estimate_for is None else roofline.gpu_of(estimate_for)
     modules = [model] if isinstance(model, nn.Module) else [m for _, m in sequentialize(model)]
     if optimizer is not None:  # before the long part: a wrong optimizer fails fast
         check_optimizer(optimizer, [p for m in modules for p in m.parameters()])
@@ -108,6 +115,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     L = len(stages)
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
     fwd_spread, bwd_spread = [0.0] * L, [0.0] * L
+    counts: list[tuple[int, int, int, int]] = []  # per stage, for estimate_for: fwd/bwd FLOPs and bytes
     bar = progress_bar(L, "profiling", "stage", enabled=progress)  # in a notebook, text once done
     # identity[i][j]: which tensor the j-th tensor of boundary value x[i] is (a stage may hand on its input's)
     identity: list[list[int]] = [list(range(len(tensors(sample_input))))]
@@ -121,6 +129,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             fwd[i], bwd[i], xs[i + 1], xbar[i], ftmp[i], btmp[i] = (r.fwd_time, r.bwd_time, r.out_bytes, r.xbar,
                                                                    r.fwd_tmp, r.bwd_tmp)
             fwd_spread[i], bwd_spread[i] = r.fwd_spread, r.bwd_spread
+            if gpu is not None:
+                counts.append(r.counts())
             h = r.next_input
             ids = []
             for k, t in enumerate(tensors(h)):
@@ -152,6 +162,12 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     }
     if options is not None:
         meta["compile"] = describe(options)
+    if gpu is not None:
+        meta.update(measured_fwd_time=fwd, measured_bwd_time=bwd, estimate_for=gpu.name,
+                    times=f"estimate: roofline for {gpu.name} from FLOP and byte counts (not measured)",
+                    flops=[[f, b] for f, b, _, _ in counts])
+        fwd = [roofline.estimate_time(gpu, meta["dtype"], f, n) for f, _, n, _ in counts]
+        bwd = [roofline.estimate_time(gpu, meta["dtype"], b, n) for _, b, _, n in counts]
     fixed = None
     if optimizer is not None:
         fixed = fixed_memory(params, [m for _, m in stages], [b for m in modules for b in m.buffers()], optimizer,
@@ -216,6 +232,20 @@ class _StageProfile:
         self.fwd_time, self.bwd_time = statistics.median(ft), statistics.median(bt)
         self.fwd_spread, self.bwd_spread = _spread(ft), _spread(bt)
         self._memory()
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """Forward FLOPs, backward FLOPs, and the bytes each must at least move (for the roofline estimate): the
+        forward reads its input and parameters and writes what it leaves (x̄); the backward reads x̄, its input, the
+        output gradient and the parameters, and writes the input and parameter gradients."""
+        inp = self._input()
+        box: list[Any] = []
+        f = roofline.count_flops(lambda: box.append(self._forward(inp)))
+        diff = [t for t in tensors(box[0]) if t.requires_grad]
+        b = roofline.count_flops(lambda: torch.autograd.backward(diff, self.grads)) if diff else 0
+        self._clear_input_grads()
+        params = nbytes(list(self.stage.parameters()))
+        return (f, b, self.in_bytes + params + self.xbar,
+                self.xbar + 2 * self.in_bytes + self.out_bytes + 2 * params)
 
     def _timed_once(self) -> tuple[float, float]:
         """Seconds of one recording forward and of its backward (the graph and copies die on return)."""

@@ -34,6 +34,7 @@ from ..errors import HChainError, InvalidSchedule, NotSequentialError
 from .compiled import check_not_compiled, compile_options, compile_stage, describe
 from .memtrack import cuda_devices
 from .stages import sequentialize
+from .transfer import Link, box_holder, data_holder, storage_key
 
 __all__ = ["wrap", "ScheduledModule"]
 
@@ -193,17 +194,24 @@ class _Step:
         self.devices = cuda_devices(x0)
         self.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
         self.autocast_cache = torch.is_autocast_cache_enabled()
+        # The transfer channel (Off/Pre, DESIGN §9): only for schedules that have transfers.
+        self.link = Link(self.devices[0] if self.devices else None) if module.schedule.n_transfers else None
 
     # ------------------------------------------------------------------ phases
     def run_forward(self) -> None:
         for kind, i, role, joined in self.m._forward_ops:
-            self._forward_op(kind, i, role, joined, in_backward=False)
+            if kind in ("Off", "Pre"):
+                self._transfer(kind, i)
+            else:
+                self._forward_op(kind, i, role, joined, in_backward=False)
 
     def run_backward(self) -> list[torch.Tensor | None]:
         if self.L not in self.delta:
             raise HChainError("the wrapped model's backward ran twice for one forward; call the model again first")
         for kind, i, role, joined in self.m._backward_ops:
-            if kind == "B":
+            if kind in ("Off", "Pre"):
+                self._transfer(kind, i)
+            elif kind == "B":
                 self._backward_op(i)
             else:
                 self._forward_op(kind, i, role, joined, in_backward=True)
@@ -221,9 +229,40 @@ class _Step:
         """x_i: a plain activation, or the output inside x̄_i (what Fall(i-1) left)."""
         return self.x[i] if i in self.x else self.xbar[i - 1][1]
 
+    def _transfer(self, kind: str, i: int) -> None:
+        """Off(i) / Pre(i) (DESIGN §9): what moves is decided as in the simulator (x̄_{i+1} if resident, else the
+        checkpoint x_i); see :mod:`hchain_viz.runtime.transfer`."""
+        if kind == "Pre":
+            self.link.pre(i)
+            return
+        if i in self.xbar and self.xbar[i] is not _SPENT:
+            holders = self._xbar_holders(i)
+        else:
+            holders = [data_holder(t) for t in _flatten(self.x[i])[0]]
+        self.link.off(i, holders)
+
+    def _xbar_holders(self, i: int) -> list:
+        """The tensors of x̄_{i+1}: what Fall(i) saved and its output x_{i+1}, with the later tensors that alias
+        them, minus what stays resident anyway (input, parameters, buffers, the caller's output)."""
+        leaves, out = self.xbar[i]
+        stage = self.m._stage_modules[i]
+        inputs = leaves if leaves is not None else _flatten(self._input(i))[0]
+        resident = {storage_key(t) for t in [*inputs, *stage.parameters(), *stage.buffers()] if t is not None}
+        boxes = [b for b in self.link.boxes.get(i, []) if storage_key(b.t) not in resident]
+        outs = [t for t in _flatten(out)[0] if storage_key(t) not in resident] if i + 1 < self.L else []
+        moved = {storage_key(b.t) for b in boxes} | {storage_key(t) for t in outs}
+        holders = [box_holder(b) for b in boxes] + [data_holder(t) for t in outs]
+        nxt = self.xbar.get(i + 1)
+        if nxt is not None and nxt is not _SPENT:  # the next stage's detached input and what it saved of it
+            holders += [data_holder(t) for t in (nxt[0] or []) if t is not None and storage_key(t) in moved]
+            holders += [box_holder(b) for b in self.link.boxes.get(i + 1, []) if storage_key(b.t) in moved]
+        return holders
+
     def _forward_op(self, kind: str, i: int, role: int, joined: bool, *, in_backward: bool) -> None:
         m = self.m
         stage = m._runners[i]
+        if self.link is not None:
+            self.link.wait_for((i - 1, i))  # a prefetch of its input must have arrived
         x_in = self._input(i)
         flat, spec = _flatten(x_in)
         if kind == "Fall":
@@ -231,7 +270,7 @@ class _Step:
                 # Fall(i) on the output of Fall(i-1), and B(i-1) will directly follow B(i): stage i extends the
                 # graph of stage i-1 (no detached input), and one autograd backward serves both, as in eager mode.
                 versions = [t._version for t in flat]
-                with self._mode(grad=True, in_backward=in_backward):
+                with self._mode(grad=True, in_backward=in_backward), self._packing(i):
                     out = self._call(stage, x_in, i, role)
                 self._learn_mutation(i, flat, versions)
                 self.xbar[i] = (None, out)
@@ -241,7 +280,7 @@ class _Step:
                 # legal (and is dropped once the stage is seen not to write into its input).
                 alias = m._mutates[i] is not False
                 versions = [t._version for t in leaves]
-                with self._mode(grad=True, in_backward=in_backward):
+                with self._mode(grad=True, in_backward=in_backward), self._packing(i):
                     feed = _unflatten(spec, [_Alias.apply(t) if alias and t.requires_grad else t for t in leaves])
                     out = self._call(stage, feed, i, role)
                 del feed
@@ -268,6 +307,10 @@ class _Step:
         else:
             self.x[i + 1] = out
 
+    def _packing(self, i: int) -> contextlib.AbstractContextManager:
+        """With transfers, the saved tensors of a recording forward go into boxes that Off/Pre can move."""
+        return self.link.hooks(i) if self.link is not None else contextlib.nullcontext()
+
     def _backward_op(self, i: int) -> None:
         # NOTE [memory model]: B(i) frees δ_{i+1}, x̄_{i+1} (the graph and output of Fall(i)) and, when x_i is a plain
         # checkpoint, x_i itself (DESIGN §3). We drop every reference to δ_{i+1} and to the outputs before running
@@ -275,6 +318,9 @@ class _Step:
         # in eager mode; the graph goes with them, and the checkpoint x_i right after. Stages k..i joined into one
         # graph are back-propagated at once by B(i); B(i-1) .. B(k) then only settle the bookkeeping, in order.
         k = self.m._group_start[i]
+        if self.link is not None:
+            self.link.wait_for((i - 1, i))  # x̄_{i+1} and x_i, if prefetched
+            self.link.boxes.pop(i, None)
         delta_next = self.delta.pop(i + 1)
         if delta_next is not _SPENT:  # B(i) heads its group
             leaves, out = self.xbar[k][0], self.xbar[i][1]
@@ -479,7 +525,8 @@ def _check_grammar(schedule: Schedule) -> tuple[int, list]:
     L = losses[0]
     if L < 1:
         raise InvalidSchedule("the schedule has no forward op before its Loss; it is for a chain of no stages")
-    return L, simulate(Chain.homogeneous(L), schedule).events  # raises InvalidSchedule naming the first bad op
+    chain = Chain.homogeneous(L).with_bandwidth(1.0) if schedule.n_transfers else Chain.homogeneous(L)
+    return L, simulate(chain, schedule).events  # raises InvalidSchedule naming the first bad op
 
 
 def _length_mismatch(schedule: Schedule, L: int, stages: list[tuple[str, nn.Module]], model: nn.Module) -> HChainError:
@@ -504,6 +551,7 @@ def _compile(schedule: Schedule, L: int, events: list) -> tuple[list[_Op], list[
         if op.is_forward:
             runs[op.stage] = runs.get(op.stage, 0) + 1
     b_pos = {op.stage: n for n, op in enumerate(schedule.ops) if op.kind == "B"}
+    offloaded = {op.stage for op in schedule.ops if op.kind == "Off"}
     seen: set[int] = set()
     ops: list[_Op] = []
     joined_stages: set[int] = set()
@@ -514,7 +562,8 @@ def _compile(schedule: Schedule, L: int, events: list) -> tuple[list[_Op], list[
             seen.add(op.stage)
         if op.kind == "Fall" and op.stage > 0:
             plain = n > 0 and ("x", op.stage) in {(it.kind, it.stage) for it in events[n - 1].resident}
-            joined = not plain and b_pos[op.stage - 1] == b_pos[op.stage] + 1
+            joined = (not plain and b_pos[op.stage - 1] == b_pos[op.stage] + 1
+                      and not {op.stage - 1, op.stage} & offloaded)  # transfers move one stage's graph at a time
             if joined:
                 joined_stages.add(op.stage)
         ops.append((op.kind, op.stage, role, joined))

@@ -1,7 +1,8 @@
 """Plotly figures of a simulated step and of the budget/time frontier: pure functions returning ``go.Figure``.
 
 - :func:`timeline`: every op a bar over time, one row per stage (forward blue, recomputed forward red, backward
-  orange, loss grey).
+  orange, loss grey); with offloading (DESIGN §9) two transfer lanes (to host, to device) and the compute stream's
+  idle waits for prefetches, hatched.
 - :func:`memory_curve`: resident memory over time, stacked by kind, with the transient peaks, the budget and the peak.
 - :func:`storage_tape`: a stage × time grid of what each stage holds (checkpoint x, full x̄, output, gradient δ).
 - :func:`frontier`: makespan and overhead over store-all against the budget, for the optimal solver and baselines.
@@ -35,6 +36,7 @@ except ImportError as e:  # pragma: no cover - plotly is a hard dependency of th
 
 __all__ = ["timeline", "memory_curve", "storage_tape", "frontier", "throughput"]
 
+REMAT_ONLY = "optimal, remat only"  # the remat-only curve beside an OffloadSolution's
 _FUTURE_OPACITY = 0.22  # ops after the step cursor are drawn faint
 # The layout keys a budget or step change may alter (title, axis ranges and ticks, the cursor); the explorer and the
 # HTML export resend only these.
@@ -67,7 +69,8 @@ def _check_step(view: TraceView, step: int | None) -> int | None:
 
 # ====================================================================== timeline
 def timeline_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] | None = None) -> list[dict]:
-    """Four traces (forward, recomputed forward, backward bars; loss markers) of the ops of ``view``.
+    """Seven traces: forward, recomputed forward, backward bars; loss markers; offload and prefetch bars on the
+    transfer lanes (rows L+1 and L+2); idle waits of the compute stream (empty without transfers).
 
     Bars have ``base`` = op start and ``x`` = duration; ops at or after ``step`` are faint.
     """
@@ -79,10 +82,12 @@ def timeline_traces(view: TraceView, step: int | None = None, unit: tuple[str, i
              + "}s<br>memory %{customdata[2]:.4g} → %{customdata[4]:.4g} " + uname
              + " (peak %{customdata[3]:.4g} " + uname + ")<extra>%{fullData.name}</extra>")
     out = []
+    L = view.trace.chain.length
     for c, cat in enumerate(CATEGORIES):
         m = view.category == c
+        rows = view.stage[m] if c < 4 else np.full(int(m.sum()), L + c - 3)  # transfers: lanes L+1, L+2
         common = dict(name=style.OP_LABELS[cat], customdata=mem[m], text=view.labels[m], hovertemplate=hover,
-                      y=view.stage[m], legendgroup=cat)
+                      y=rows, legendgroup=cat)
         opacity = 1.0 if step is None else np.where(idx[m] < step, 1.0, _FUTURE_OPACITY)
         if cat == "loss":  # zero duration: a marker, not a bar
             out.append(dict(type="scatter", mode="markers", x=view.start[m],
@@ -92,6 +97,15 @@ def timeline_traces(view: TraceView, step: int | None = None, unit: tuple[str, i
             out.append(dict(type="bar", orientation="h", base=view.start[m], x=view.end[m] - view.start[m],
                             width=0.8, textposition="none",
                             marker=dict(color=style.OP_COLORS[cat], opacity=opacity, line_width=0), **common))
+    idle = view.trace.idle
+    k = view.n if step is None else step
+    shown = [w for w in idle if w.index < k]
+    out.append(dict(type="bar", orientation="h", name="idle (waits for a prefetch)", textposition="none",
+                    y=[int(view.stage[w.index]) for w in shown], base=[w.start for w in shown],
+                    x=[w.end - w.start for w in shown], width=0.8, showlegend=bool(idle),
+                    text=[f"waits for Pre{w.stage}" for w in shown],
+                    hovertemplate="%{text}: %{x:" + style.TIME_HOVER + "}s<extra></extra>",
+                    marker=dict(color=style.IDLE_COLOR, opacity=1.0, pattern=dict(shape="/"), line_width=0)))
     return out
 
 
@@ -99,10 +113,10 @@ _MAX_LABELS = 24  # stage-axis labels at most (~24 stay readable at the figures'
 _BAND_FILL = "rgba(0, 0, 0, 0.05)"
 
 
-def _stage_axis(view: TraceView, loss_label: str = "loss") -> dict:
+def _stage_axis(view: TraceView, loss_label: str = "loss", lanes: bool = False) -> dict:
     """The stage axis: one row per stage and the loss. A chain with layers (``chain.groups``, a sub-layer profile)
     is labelled by layer at the layer's middle, with a minor tick per stage; otherwise by stage. Labels are thinned
-    to at most ~24."""
+    to at most ~24. With ``lanes`` and transfers, two more rows for the transfer channels (DESIGN §9)."""
     chain = view.trace.chain
     L = chain.length
     names = list(chain.names) + [loss_label]
@@ -112,15 +126,31 @@ def _stage_axis(view: TraceView, loss_label: str = "loss") -> dict:
                        + [(i, names[i]) for i in range(L + 1) if i not in inside])
         every = -(-len(marks) // _MAX_LABELS)
         marks = marks[::every] + ([marks[-1]] if (len(marks) - 1) % every else [])
+        top = L
+        if lanes and view.trace.n_transfers:
+            marks += [(L + 1, "link → host"), (L + 2, "link → device")]
+            top = L + 2
         return dict(tickmode="array", tickvals=[v for v, _ in marks], ticktext=[t for _, t in marks],
                     minor=dict(tickmode="array", tickvals=list(range(L + 1)), ticks="inside", ticklen=4),
-                    range=[-0.6, L + 0.6], title_text="layer", zeroline=False, showgrid=False)
+                    range=[-0.6, top + 0.6], title_text="layer", zeroline=False, showgrid=False)
     every = max(1, (L + 1) // _MAX_LABELS)
     vals = list(range(0, L + 1, every))
     if vals[-1] != L:
         vals.append(L)
-    return dict(tickmode="array", tickvals=vals, ticktext=[f"{i} {names[i]}" if i < L else names[i] for i in vals],
-                range=[-0.6, L + 0.6], title_text="stage", zeroline=False, showgrid=False)
+    text = [f"{i} {names[i]}" if i < L else names[i] for i in vals]
+    top = L
+    if lanes and view.trace.n_transfers:
+        vals += [L + 1, L + 2]
+        text += ["link → host", "link → device"]
+        top = L + 2
+    return dict(tickmode="array", tickvals=vals, ticktext=text, range=[-0.6, top + 0.6], title_text="stage",
+                zeroline=False, showgrid=False)
+
+
+def _estimate_note(view: TraceView) -> str:
+    """" · times: estimate (...)" when the chain's times are a roofline estimate, not measured."""
+    times = view.trace.chain.meta.get("times", "")
+    return f" · times: {times.split(' from ')[0]}" if isinstance(times, str) and times.startswith("estimate") else ""
 
 
 def _layer_bands(view: TraceView) -> list[dict]:
@@ -138,9 +168,10 @@ def _rows_height(view: TraceView) -> int:
 def timeline_layout(view: TraceView, step: int | None = None, title: str | None = None) -> dict:
     """Layout of the timeline: stage rows, a time axis, and the step cursor when ``step`` is given."""
     name = view.trace.schedule.meta.get("strategy", "schedule")
-    lay = style.base_layout(title or f"Timeline ({name}): {view.n} ops, {format_time(view.makespan)}",
-                            height=_rows_height(view))
-    lay.update(barmode="overlay", bargap=0, yaxis=_stage_axis(view),
+    idle = f", idle {format_time(view.trace.idle_time)}" if view.trace.idle else ""
+    lay = style.base_layout(title or f"Timeline ({name}): {view.n} ops, {format_time(view.makespan)}{idle}"
+                            + _estimate_note(view), height=_rows_height(view))
+    lay.update(barmode="overlay", bargap=0, yaxis=_stage_axis(view, lanes=True),
                xaxis=dict(style.TIME_AXIS, range=[0, max(view.makespan, 1e-12)]),
                shapes=_cursor_shapes(view, step) + _layer_bands(view))  # the cursor first, as without layers
     return lay
@@ -157,7 +188,8 @@ def timeline(trace: Trace, step: int | None = None) -> go.Figure:
 def memory_traces(view: TraceView, budget: int | None = None, step: int | None = None,
                   overlay: TraceView | None = None, unit: tuple[str, int] | None = None) -> list[dict]:
     """Traces of the memory figure, in this order: the three stacked layers (checkpoints, saved activations,
-    gradients), the total with transient peaks, the peak marker, the budget line, the overlay's total.
+    gradients), the total with transient peaks, the peak marker, the budget line, the overlay's total, and the
+    host-resident band (values offloaded to the host; empty without transfers).
 
     The total is exactly :meth:`Trace.memory_curve` drawn as a step (memory reaches the op's peak at its start and
     holds it until its end). Layers are drawn after each op; up to ``step`` ops when given.
@@ -165,19 +197,28 @@ def memory_traces(view: TraceView, budget: int | None = None, step: int | None =
     uname, scale = unit or style.byte_unit(max(view.peak, budget or 0))
     k = view.n if step is None else step
     t_curve, m_curve = view.trace.memory_curve()
-    n_pts = 1 + 3 * k  # memory_curve has the initial point, then (start, start, end) per op
-    t_layer = np.concatenate([[0.0], view.end[:k]])
+    if view.trace.n_transfers:  # event-based: layers from item lifetimes in time, the total from the curve
+        t_stop = view.time_at(step)
+        t_layer, layer_values = _layers_in_time(view, t_stop)
+        keep = t_curve <= t_stop
+        t_curve, m_curve = t_curve[keep], m_curve[keep]
+        n_pts = len(t_curve)
+        point_labels = np.array([""] * n_pts + [None], dtype=object)[:-1]
+    else:
+        n_pts = 1 + 3 * k  # memory_curve has the initial point, then (start, start, end) per op
+        t_layer = np.concatenate([[0.0], view.end[:k]])
+        layer_values = view.layers[:, : k + 1]
+        point_labels = np.concatenate([["start"], np.repeat(view.labels, 3)])[:n_pts]
     out = []
-    cum = np.zeros(k + 1, np.int64)
+    cum = np.zeros(len(t_layer), np.int64)
     for j, layer in enumerate(LAYERS):
-        own = view.layers[j, : k + 1]
+        own = layer_values[j]
         cum = cum + own
         out.append(dict(
             type="scatter", mode="lines", name=style.KIND_LABELS[layer], x=t_layer, y=cum, customdata=own / scale,
             line=dict(shape="hv", width=0.5, color=style.KIND_COLORS[layer]), fillcolor=style.KIND_COLORS[layer],
             fill="tozeroy" if j == 0 else "tonexty",
             hovertemplate=f"{style.KIND_LABELS[layer]}: %{{customdata:.4g}} {uname}<extra></extra>"))
-    point_labels = np.concatenate([["start"], np.repeat(view.labels, 3)])[:n_pts]
     out.append(dict(
         type="scatter", mode="lines", name="total (with transients)", x=t_curve[:n_pts], y=m_curve[:n_pts],
         customdata=m_curve[:n_pts] / scale, text=point_labels,
@@ -206,7 +247,34 @@ def memory_traces(view: TraceView, budget: int | None = None, step: int | None =
     else:
         out.append(dict(type="scatter", mode="lines", name="overlay", x=[], y=[], showlegend=False,
                         line=dict(shape="hv", width=1.5, dash="dot", color=style.OVERLAY_COLOR)))
+    if view.trace.host_lifetimes:  # a separate band: bytes parked on the host, not counted on the device
+        t_h, m_h = view.trace.host_curve()
+        keep = t_h <= view.time_at(step)
+        host = dict(x=t_h[keep], y=m_h[keep], customdata=m_h[keep] / scale, showlegend=True)
+    else:
+        host = dict(x=[], y=[], customdata=[], showlegend=False)
+    out.append(dict(type="scatter", mode="lines", name="on host (not on the device)", fill="tozeroy",
+                    fillcolor=style.HOST_COLOR, line=dict(shape="hv", width=1, dash="dash", color="#8c6d31"),
+                    hovertemplate=f"on host: %{{customdata:.4g}} {uname}<extra></extra>", **host))
     return out
+
+
+def _layers_in_time(view: TraceView, t_stop: float) -> tuple[np.ndarray, np.ndarray]:
+    """Resident bytes per layer as steps in time (items live from the start of the op that creates them to the end
+    of the op that frees them: a prefetch allocates at its copy's start, an offload frees at its copy's end)."""
+    from .trace_view import _LAYER_OF
+
+    layer = np.fromiter((_LAYER_OF[kind] for kind in view.item_kind), np.int64, len(view.item_kind))
+    times = np.unique(np.concatenate([[0.0], view.item_t0, view.item_t1]))
+    times = times[times <= t_stop]
+    values = np.zeros((len(LAYERS), len(times)), np.int64)
+    lo = np.searchsorted(times, view.item_t0, side="left")
+    hi = np.searchsorted(times, view.item_t1, side="left")
+    diff = np.zeros((len(LAYERS), len(times) + 1), np.int64)
+    np.add.at(diff, (layer, lo), view.item_size)
+    np.add.at(diff, (layer, hi), -view.item_size)
+    values = np.cumsum(diff[:, :-1], axis=1)
+    return times, values
 
 
 def memory_layout(view: TraceView, budget: int | None = None, step: int | None = None,
@@ -250,8 +318,8 @@ TAPE_KINDS = ("xbar", "out", "delta", "x", "shared")  # drawing order: narrow ba
 
 
 def tape_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] | None = None) -> list[dict]:
-    """Five bar traces (x̄, output, gradient, checkpoint, shared tensor) of item lifetimes; up to ``step`` ops when
-    given.
+    """Six bar traces (x̄, output, gradient, checkpoint, shared tensor, and values on the host) of item lifetimes;
+    up to ``step`` ops when given.
 
     Row i holds x_i (its input, kept as a checkpoint), x̄_{i+1} (what its recording forward saved) and δ_i (the
     gradient its backward produced); row L holds the output x_L and δ_L. A tensor shared by several cuts from x_i on
@@ -281,6 +349,19 @@ def tape_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] 
             marker=dict(color=style.TAPE_COLORS[kind], line_width=0),
             hovertemplate="%{text}: %{customdata[0]:.4g} " + uname + "<br>%{customdata[1]:" + style.TIME_HOVER
                           + "}s → %{customdata[2]:" + style.TIME_HOVER + "}s<extra></extra>"))
+    # Values parked on the host (DESIGN §9): from the offload's completion to the prefetch's, on the value's row.
+    hosted = [h for h in view.trace.host_lifetimes if step is None or h.created < step]
+    t0 = [float(view.end[h.created]) for h in hosted]
+    t1 = [float(view.end[h.freed]) if step is None or h.freed < step else max(view.time_at(step), a)
+          for h, a in zip(hosted, t0)]
+    out.append(dict(
+        type="bar", orientation="h", name="on host", y=[h.stage for h in hosted], base=t0,
+        x=[b - a for a, b in zip(t0, t1)], width=0.9, textposition="none",
+        showlegend=bool(view.trace.host_lifetimes),
+        text=[(f"x̄_{h.stage + 1}" if h.kind == "xbar" else f"x_{h.stage}") + " on host" for h in hosted],
+        customdata=[h.size / scale for h in hosted],
+        marker=dict(color=style.HOST_COLOR, pattern=dict(shape="x"), line=dict(width=1, color="#8c6d31")),
+        hovertemplate="%{text}: %{customdata:.4g} " + uname + "<extra></extra>"))
     return out
 
 
@@ -338,6 +419,10 @@ class FrontierData:
         k = np.searchsorted(steps_b, budgets, side="right") - 1
         makespans = steps_t[k]
         baselines = _baseline_points(chain, strategies)
+        remat = getattr(solution, "remat", None)
+        if remat is not None:  # an OffloadSolution: its remat-only optimum beside it, to see where offloading pays
+            rb, rt = zip(*remat.frontier())
+            baselines = {REMAT_ONLY: (np.asarray(rb, float), np.asarray(rt, float)), **baselines}
         span = max(hi_b - lo_b, hi_b * 0.05, 1)
         peaks = [float(np.max(b)) for b, _ in baselines.values() if len(b)]
         x_hi = max([hi_b] + [p for p in peaks if p <= hi_b + 2 * span]) + 0.04 * span
@@ -451,7 +536,8 @@ def frontier_layout(data: FrontierData, title: str | None = None) -> dict:
 def frontier(solution: Any, strategies: Any = None, budget: int | None = None) -> go.Figure:
     """Makespan (left axis) and overhead over store-all (right axis) against the budget.
 
-    ``solution`` is what :func:`hchain_viz.solve` returns; ``strategies`` picks the baselines drawn beside the
+    ``solution`` is what :func:`hchain_viz.solve` returns (with ``offload=True`` the remat+offload curve is drawn
+    with the remat-only optimum beside it); ``strategies`` picks the baselines drawn beside the
     optimal curve (None: all of ``core.strategies.frontier_points``; False: none; a list of names; or a mapping
     name → [(peak_bytes, makespan)]). ``budget`` (bytes) is marked with a line.
     """
@@ -459,7 +545,8 @@ def frontier(solution: Any, strategies: Any = None, budget: int | None = None) -
         if not hasattr(solution, attr):
             raise HChainError(f"frontier() needs a Solution from hcv.solve(chain), got {type(solution).__name__}")
     data = FrontierData.of(solution, strategies)
-    return go.Figure(data=frontier_traces(data, budget), layout=frontier_layout(data))
+    name = "optimal + offload" if hasattr(solution, "remat") else "optimal"
+    return go.Figure(data=frontier_traces(data, budget, chain_name=name), layout=frontier_layout(data))
 
 
 # ---------------------------------------------------------------------------------------------- will it fit (§7)

@@ -19,8 +19,13 @@ OP_COLORS = {
     "recompute": "#d62728",  # red: a forward run again
     "backward": "#ff7f0e",  # orange
     "loss": "#7f7f7f",  # grey
+    "offload": "#8c6d31",  # brown: a copy to host (transfer lane)
+    "prefetch": "#31a354",  # green: a copy back to the device (transfer lane)
 }
-OP_LABELS = {"forward": "forward", "recompute": "recomputed forward", "backward": "backward", "loss": "loss"}
+OP_LABELS = {"forward": "forward", "recompute": "recomputed forward", "backward": "backward", "loss": "loss",
+             "offload": "offload → host", "prefetch": "prefetch → device"}
+IDLE_COLOR = "#bdbdbd"  # compute waiting for a prefetch
+HOST_COLOR = "rgba(140, 109, 49, 0.35)"  # values resident on the host (memory band, tape marks)
 
 # Resident memory by kind (Trace items). x̄ and the held output are both "full saved activations".
 KIND_COLORS = {

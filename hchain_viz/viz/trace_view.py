@@ -18,7 +18,7 @@ from ..core.simulate import Trace
 LAYERS = ("x", "saved", "delta")
 _LAYER_OF = {"x": 0, "shared": 0, "xbar": 1, "out": 1, "delta": 2}  # shared: a tensor in several x (§8)
 # Op categories of the timeline, in trace order.
-CATEGORIES = ("forward", "recompute", "backward", "loss")
+CATEGORIES = ("forward", "recompute", "backward", "loss", "offload", "prefetch")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class TraceView:
         """The time after ``step`` ops (``None``: the whole step)."""
         if step is None or step >= self.n:
             return self.makespan
-        return float(self.end[step - 1]) if step > 0 else 0.0
+        return float(self.end[:step].max()) if step > 0 else 0.0  # a copy may end after later compute ops
 
     @classmethod
     def of(cls, trace: Trace) -> TraceView:
@@ -77,9 +77,8 @@ class TraceView:
         start = np.fromiter((e.start for e in events), float, n)
         end = np.fromiter((e.end for e in events), float, n)
         stage = np.fromiter((e.op.stage for e in events), np.int64, n)
-        category = np.fromiter(
-            (3 if e.op.kind == "Loss" else 2 if e.op.kind == "B" else 1 if e.recompute else 0 for e in events),
-            np.int64, n)
+        code = {"Loss": 3, "B": 2, "Off": 4, "Pre": 5}
+        category = np.fromiter((code.get(e.op.kind, 1 if e.recompute else 0) for e in events), np.int64, n)
         labels = np.array([f"{e.op} · {names[e.op.stage] if e.op.stage < L else 'loss'}" for e in events]
                           + [""], dtype=object)[:n]  # the extra "" keeps numpy from building a 2-D char array
         before = np.fromiter((e.mem_before for e in events), np.int64, n)

@@ -1,0 +1,347 @@
+"""Recompute or offload (DESIGN §9): schedules that mix recomputation with copies to host memory.
+
+``solve(chain, offload=True)`` (or :func:`solve_offload`) returns an :class:`OffloadSolution`: for each budget, the
+fastest schedule this module finds among remat-only optima and those optima with ``Off``/``Pre`` pairs added.
+
+The algorithm is a heuristic judged by the simulator, not an exact DP. Why: the exact problem is NP-hard in general
+(Beaumont, Eyraud-Dubois, Shilova 2021); their DP is exact only on a coarse time/memory grid and is cubic in memory,
+which would not answer a budget slider within 100 ms at L = 50. What it does, for a budget ``B``:
+
+1. Candidates are remat-only optimal schedules at budgets ``B' >= B`` (the remat frontier's breakpoints: the nearest
+   densely, farther ones at geometric distances, a few dozen at most): each is faster than the optimum at ``B`` but
+   may peak above ``B``.
+2. *Fit by offload*: the excess of each op over ``B`` is covered greedily. A value (x̄_{i+1} left by ``Fall(i)``, or
+   a checkpoint x_i kept by ``Fck(i)``) that sits unused between two of its uses can go to the host in between:
+   ``Off(i)`` right after the first use, ``Pre(i)`` as late as the link allows it to arrive before the second use
+   (copy time ``bytes / bandwidth``, measured against the simulated compute times). Each pick covers the ops that run
+   while the value is on the host; the op with the largest remaining excess is covered first, by the largest value
+   idle across it whose copies hide behind compute (a copy that would make compute wait is a last resort).
+3. The simulator judges: the fitted schedule is replayed (transfer channels, idle waits, frees at copy completion);
+   if its peak still exceeds ``B`` the cover is repeated on the replayed times, a few rounds at most.
+4. The answer is the fastest simulated candidate within ``B``, or the remat-only optimum at ``B`` when nothing beats
+   it: by construction never slower than remat-only, and every answer has been simulated.
+
+Budgets are answered from a precomputed grid (``grid`` budgets from half the remat-only least budget to the
+store-all peak, denser near the least budget): the answer at ``b`` is the better of the remat-only optimum at ``b``
+and the grid answer at the largest grid budget ``<= b``. How far from the exhaustive optimum this lands on small
+chains is measured in tests/test_offload.py and in the notes of issue 15.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import HChainError, InfeasibleBudget
+from .chain import Chain
+from .schedule import Op, Schedule
+from .simulate import Trace, simulate
+from .units import format_bytes, format_time
+
+__all__ = ["OffloadSolution", "solve_offload", "fit_by_offload", "default_grid_size", "remat_refined"]
+
+_ROUNDS = 4  # cover-and-replay rounds per candidate before giving up on it
+_NEAR, _RATIO = 8, 1.25  # remat-only schedules tried per budget: the 8 nearest breakpoints above it, then sparser
+
+
+def fit_by_offload(chain: Chain, schedule: Schedule, budget: int) -> Schedule | None:
+    """``schedule`` (remat-only) with ``Off``/``Pre`` pairs added so that its simulated peak is at most ``budget``
+    bytes, or None when the greedy cover finds none. Needs ``chain.bandwidth``."""
+    base = [op for op in schedule.ops if not op.is_transfer]
+    trace = simulate(chain, Schedule(tuple(base)))
+    if trace.peak_memory <= budget:
+        return schedule
+    chosen: list[tuple[int, int, Op, Op]] = []  # (off position, pre position, Off op, Pre op) in base indices
+    for _ in range(_ROUNDS):
+        picks = _cover(chain, base, trace, budget, chosen)
+        if picks is None or picks == chosen:
+            return None
+        chosen = picks
+        candidate = _merge(base, chosen, schedule.meta)
+        trace = simulate(chain, candidate)
+        if trace.peak_memory <= budget:
+            return candidate
+    return None
+
+
+def _uses(base: list[Op]) -> dict[tuple[str, int], list[list[int]]]:
+    """For each offloadable value, the op indices that use it, one list per lifetime: x̄_{i+1} (key ``xbar``, i) is
+    used by its ``Fall(i)``, by forwards and the backward of stage i+1 (they read x_{i+1} inside it) and by ``B(i)``;
+    a checkpoint x_i (key ``x``, i), from the ``Fck(i)`` that keeps it, by forwards of stage i and ``B(i)``."""
+    live: dict[tuple[str, int], list[int]] = {}
+    out: dict[tuple[str, int], list[list[int]]] = {}
+    for k, (kind, i) in enumerate(base):
+        if kind == "Loss":
+            continue
+        if ("xbar", i - 1) in live:  # stage i reads x_i inside x̄_i
+            live[("xbar", i - 1)].append(k)
+        elif kind != "B":
+            if ("x", i) in live:
+                live[("x", i)].append(k)
+            elif kind == "Fck" and i > 0:  # keeps x_i as a checkpoint until B(i)
+                live[("x", i)] = [k]
+        if kind == "Fall":
+            live[("xbar", i)] = [k]
+        if kind == "B":
+            for key in (("xbar", i), ("x", i)):
+                if key in live:
+                    uses = live.pop(key)
+                    if uses[-1] != k:
+                        uses.append(k)
+                    out.setdefault(key, []).append(uses)
+    return out
+
+
+def _cover(chain: Chain, base: list[Op], trace: Trace, budget: int,
+           chosen: list[tuple[int, int, Op, Op]]) -> list[tuple[int, int, Op, Op]] | None:
+    """Greedy cover of the excess of ``trace`` over ``budget`` by Off/Pre pairs (positions in base indices): new
+    pairs, or already chosen ones whose Pre moves later. Returns the new list of pairs, or None when some op's excess
+    cannot be covered."""
+    compute = [e for e in trace.events if not e.is_transfer]  # one per base op, in order
+    start = np.array([e.start for e in compute])
+    end = np.array([e.end for e in compute])
+    excess = np.array([e.mem_peak - budget for e in compute], np.int64)
+    bw = chain.bandwidth
+    # One entry per gap between two uses of a value: [size, copy time, Off position, next use b, first op covered
+    # (starts after the Off can have completed), latest Pre position that still hides the copy, chosen Pre or 0, stage]
+    gaps: list[list] = []
+    for key, lifetimes in _uses(base).items():
+        kind, i = key
+        size = chain.xbar[i] if kind == "xbar" else chain.x[i]
+        if kind == "xbar" and i == chain.length - 1:
+            size -= chain.x[-1]  # the held output stays on the device
+        if size <= 0:
+            continue
+        copy = size / bw
+        for uses in lifetimes:
+            for a, b in zip(uses, uses[1:]):
+                if b - a < 2 or (kind == "x" and base[a].kind == "Fall"):
+                    continue  # nothing in between; or x̄_{i+1} is resident too, and Off(i) would move that
+                first = max(a + 1, int(np.searchsorted(start, end[a] + copy, side="left")))
+                q = b  # Pre before base op q starts when op q - 1 ends: as late as still arrives before b starts
+                while q - 1 > a and end[q - 1] + copy > start[b]:
+                    q -= 1
+                if first < b:
+                    gaps.append([size, copy, a + 1, b, first, q, 0, i])
+    for lo, hi, off, _ in chosen:  # pairs from earlier rounds: the same gaps, already chosen
+        for g in gaps:
+            if g[2] == lo and g[7] == off.stage and g[3] >= hi:
+                g[6] = hi
+                excess[g[4]:hi] -= g[0]
+    while (excess > 0).any():
+        k = int(np.argmax(excess))
+        best, best_score = None, None
+        for g in gaps:
+            size, copy, lo, b, first, q_hide, q, i = g
+            if not first <= k < b or q > k:
+                continue
+            if not q and any(h[6] and h[7] == i and h[2] < b and lo < h[6] for h in gaps):
+                continue  # one value of a stage on the host at a time
+            new_q = max(q_hide, k + 1)
+            idle = max(0.0, end[new_q - 1] + copy - start[b])
+            score = (idle, -size)
+            if best_score is None or score < best_score:
+                best, best_score = g, score
+        if best is None:
+            return None
+        new_q = max(best[5], k + 1)
+        excess[max(best[4], best[6]):new_q] -= best[0]
+        best[6] = new_q
+    return [(g[2], g[6], Op("Off", g[7]), Op("Pre", g[7])) for g in gaps if g[6]]
+
+
+def _merge(base: list[Op], chosen: list[tuple[int, int, Op, Op]], meta: dict) -> Schedule:
+    """The base ops with each Off inserted before base op ``lo`` and each Pre before base op ``hi``."""
+    inserts: dict[int, list[Op]] = {}
+    for lo, hi, off, pre in sorted(chosen, key=lambda c: (c[0], c[1])):
+        inserts.setdefault(lo, []).append(off)
+        inserts.setdefault(hi, []).append(pre)
+    ops: list[Op] = []
+    for k, op in enumerate(base):
+        extra = inserts.get(k, [])
+        ops += [o for o in extra if o.kind == "Pre"] + [o for o in extra if o.kind == "Off"]
+        ops.append(op)
+    return Schedule(tuple(ops), dict(meta))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------------------------
+class OffloadSolution:
+    """The fastest schedule found mixing recomputation and offloading, for every budget (DESIGN §9).
+
+    Attributes: ``chain`` (with its ``bandwidth``), ``remat`` (the remat-only :class:`~hchain_viz.Solution` it builds
+    on), ``grid`` (the precomputed budgets, bytes, increasing), ``min_budget`` (least budget with an answer),
+    ``max_budget``, ``store_all_peak``. ``makespan(b)`` / ``schedule(b)`` answer any budget from the grid and the
+    remat-only table (no solving); ``frontier()`` gives the remat+offload curve beside ``remat.frontier()``.
+    """
+
+    def __init__(self, chain: Chain, remat: Any, grid: list[int], answers: list[tuple[float, Schedule] | None]):
+        self.chain = chain
+        self.remat = remat
+        self.max_budget = remat.max_budget
+        self.store_all_peak = remat.store_all_peak
+        self._grid = np.asarray(grid, np.int64)
+        self._answers = answers
+        mins = [g for g, a in zip(grid, answers) if a is not None]
+        cands = [b for b in (mins[0] if mins else None, remat.min_budget) if b is not None]
+        self.min_budget: int | None = min(cands) if cands else None
+
+    @property
+    def grid(self) -> list[int]:
+        return self._grid.tolist()
+
+    def _grid_answer(self, budget: int) -> tuple[float, Schedule] | None:
+        k = int(np.searchsorted(self._grid, budget, side="right")) - 1
+        best = None
+        for j in range(k, -1, -1):  # the grid answer at g <= budget fits in budget; later grid points are faster
+            a = self._answers[j]
+            if a is not None:
+                best = a
+                break
+        return best
+
+    def makespan(self, budget: int | str) -> float:
+        """Least makespan found (seconds, simulated) within ``budget`` bytes; ``inf`` when nothing fits."""
+        from .solver import _read_bytes
+
+        b = _read_bytes(budget)
+        remat = self.remat.makespan(b)
+        a = self._grid_answer(b)
+        return min(remat, a[0]) if a is not None else remat
+
+    def schedule(self, budget: int | str) -> Schedule:
+        """The fastest schedule found within ``budget`` bytes (remat-only when offloading does not help there).
+        Raises :class:`InfeasibleBudget` when none fits."""
+        from .solver import _read_bytes
+
+        b = _read_bytes(budget)
+        a = self._grid_answer(b)
+        remat_t = self.remat.makespan(b)
+        if a is not None and a[0] < remat_t:
+            s = a[1]
+            return Schedule(s.ops, {**s.meta, "strategy": "optimal+offload", "budget": b,
+                                    "bandwidth": self.chain.bandwidth, "predicted_makespan": a[0]})
+        if math.isinf(remat_t):
+            least = self.min_budget
+            raise InfeasibleBudget(
+                f"no schedule found within {b} B ({format_bytes(b)}), even with offloading at "
+                f"{format_bytes(self.chain.bandwidth)}/s; the least budget with an answer is "
+                f"{least} B ({format_bytes(least or 0)})", min_budget=least, budget=b)
+        s = self.remat.schedule(b)
+        return Schedule(s.ops, {**s.meta, "strategy": "optimal+offload", "offloads": 0})
+
+    def frontier(self) -> list[tuple[int, float]]:
+        """Breakpoints ``(budget, makespan)`` of the remat+offload curve (budgets increasing, makespans strictly
+        decreasing), over the grid and the remat-only breakpoints."""
+        budgets = sorted(set(self.grid) | {b for b, _ in self.remat.frontier()})
+        points, last = [], math.inf
+        for b in budgets:
+            t = self.makespan(b)
+            if t < last * (1 - 1e-12):
+                points.append((int(b), float(t)))
+                last = t
+        return points
+
+    def __repr__(self) -> str:
+        rows = []
+        for b, t in self.frontier()[:: max(1, len(self.frontier()) // 12)]:
+            r = self.remat.makespan(b)
+            remat = format_time(r) if r < math.inf else "-"
+            rows.append(f"{format_bytes(b):>12}  {format_time(t):>10}  remat-only {remat:>10}")
+        return (f"OffloadSolution: {self.chain.length} stages, link {format_bytes(self.chain.bandwidth)}/s each way, "
+                f"{len(self._grid)} grid budgets, least {format_bytes(self.min_budget or 0)}\n" + "\n".join(rows))
+
+
+def default_grid_size(chain: Chain) -> int:
+    """Budgets precomputed by default (each costs a few simulated fits; ~3–10 s in all at L = 12..50 on 2 busy
+    cores)."""
+    return 48
+
+
+def _grid(remat: Any, top: int, n: int) -> list[int]:
+    """``n`` budgets up to ``top``: two below the remat-only least budget (offloading may reach them), the rest
+    from it to ``top``, denser near it, where recomputation costs most and offloading has the most to win."""
+    least = remat.min_budget or top
+    u = np.linspace(0.0, 1.0, max(n - 2, 2))
+    budgets = [least // 2, (3 * least) // 4] + (least + (top - least) * u ** 1.5).astype(np.int64).tolist()
+    return sorted({max(1, int(b)) for b in budgets})
+
+
+def _candidates(remat: Any, budget: int) -> list[tuple[float, int]]:
+    """Remat-only frontier breakpoints above ``budget`` to start from, fastest first: the nearest ones densely (they
+    need the least offloading), farther ones at geometrically growing distances (the k-th nearest for k < 8, then
+    every ~25% farther), and store-all's (offloading alone may fit it)."""
+    above = [(t, b) for b, t in remat.frontier() if b > budget]
+    picks, k = list(range(min(_NEAR, len(above)))), float(_NEAR)
+    while k < len(above):
+        picks.append(int(k))
+        k *= _RATIO
+    picks.append(len(above) - 1)
+    return sorted(above[i] for i in sorted(set(picks)) if i >= 0)
+
+
+def remat_refined(chain: Chain, remat: Any, budget: int, n: int = 16) -> tuple[float, Schedule | None]:
+    """The remat-only answer at ``budget``: the DP's makespan, or a faster schedule among the ``n`` nearest larger
+    breakpoints that still fits once simulated (the DP rounds sizes up to whole slots). ``(makespan, schedule)``;
+    the schedule is None when the DP's own answer is the best."""
+    best_t, best = remat.makespan(budget), None
+    for b, t in [p for p in remat.frontier() if p[0] > budget][:n]:
+        if t < best_t:
+            s = remat.schedule(b)
+            if simulate(chain, s).peak_memory <= budget:
+                best_t, best = t, s
+    return best_t, best
+
+
+def _best_at(chain: Chain, remat: Any, budget: int) -> tuple[float, Schedule] | None:
+    """The fastest simulated offload schedule within ``budget`` found from the candidates, if it beats remat-only."""
+    best_t, best = remat_refined(chain, remat, budget)
+    for t, b in _candidates(remat, budget):
+        if t >= best_t * (1 - 1e-12):
+            break  # offloading never makes a schedule faster than its remat-only time
+        fitted = fit_by_offload(chain, remat.schedule(b), budget)
+        if fitted is None:
+            continue
+        tr = simulate(chain, fitted)
+        if tr.peak_memory <= budget and tr.makespan < best_t:
+            best_t, best = tr.makespan, fitted
+    if best is not None and best.n_transfers == 0:  # a remat-only schedule: report its simulated time
+        best_t = simulate(chain, best).makespan
+    if best is None:
+        return None
+    return best_t, Schedule(best.ops, {"strategy": "optimal+offload", "solved_budget": int(budget)})
+
+
+def solve_offload(chain: Chain, max_budget: int | str | None = None, slots: int = 500,
+                  grid: int | Sequence[int] | None = None, remat: Any = None) -> OffloadSolution:
+    """Solve ``chain`` for remat + offload at ``grid`` budgets (see the module docstring for the algorithm).
+
+    ``chain.bandwidth`` must be set (``chain.with_bandwidth("pcie5")``). ``grid``: how many budgets to precompute
+    (see :func:`_grid`; each costs a few fits, ~0.1-0.5 s at L = 50; default 48), or the budgets themselves
+    (bytes).
+    ``remat``: a remat-only Solution of this chain to build on (default: ``solve(chain, max_budget, slots)``).
+    """
+    from .solver import _check_chain, solve
+
+    chain = _check_chain(chain)
+    if chain.bandwidth is None:
+        raise HChainError("offloading needs the device-host bandwidth: use chain.with_bandwidth('pcie5') (presets: "
+                          "pcie4, pcie5, nvlink-c2c) or a number of bytes/s")
+    if remat is None:
+        remat = solve(chain, max_budget, slots)
+    top = min(remat.store_all_peak, remat.max_budget)
+    if grid is None:
+        grid = default_grid_size(chain)
+    if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool) and grid >= 2:
+        budgets = _grid(remat, top, int(grid))
+    elif isinstance(grid, Sequence) and grid and all(isinstance(b, (int, np.integer)) and b > 0 for b in grid):
+        budgets = sorted({int(b) for b in grid})
+    else:
+        raise HChainError(f"grid must be an integer >= 2 (how many budgets to precompute) or a list of budgets in "
+                          f"bytes, got {grid!r}")
+    answers = [_best_at(chain, remat, b) for b in budgets]
+    return OffloadSolution(chain, remat, budgets, answers)
