@@ -63,10 +63,27 @@ def notebook(*cells: str) -> dict:
             "nbformat": 4, "nbformat_minor": 5}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM a server's process group (the server and the kernels it started), then SIGKILL what is left."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # kernels that outlived their server
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=15)
 
 
 class LabServer:
@@ -74,7 +91,7 @@ class LabServer:
 
     def __init__(self, root: Path, cwd_pythonpath: Path | None = None):
         self.root = Path(root)
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.pythonpath = cwd_pythonpath
         self.proc: subprocess.Popen | None = None
@@ -130,20 +147,8 @@ class LabServer:
             return False
 
     def __exit__(self, *exc: Any) -> None:
-        """SIGTERM the server's process group (JupyterLab and its kernels), then SIGKILL what is left."""
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # kernels that outlived their server
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=15)
+        if self.proc is not None:
+            stop_server(self.proc)
 
     def write_notebook(self, name: str, nb: dict) -> str:
         (self.root / name).write_text(json.dumps(nb, indent=1))

@@ -11,9 +11,6 @@ from __future__ import annotations
 import http.client
 import importlib.util
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +20,7 @@ import numpy as np
 import pytest
 
 import hchain_viz as hcv
+from hchain_viz.bench.lab import chromium, free_port, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = Path(__file__).with_name("explorer_app.ipynb")
@@ -36,20 +34,12 @@ VOILA_START_S = 120  # a cold CI machine imports jupyter_server and voila here: 
 APP_RENDER_MS = 180_000  # kernel start + the notebook's import, solve (numba compile on a cold cache) and explorer
 
 
-def _chromium() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
 def _playwright_missing() -> str | None:
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
         return "needs the playwright Python package (pip install playwright; the system's Chromium is used)"
-    if _chromium() is None:
+    if chromium() is None:
         return "needs a Chromium binary on PATH (Debian: apt-get install chromium)"
     return None
 
@@ -71,7 +61,7 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        b = pw.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
         try:
             yield b
         finally:
@@ -181,12 +171,6 @@ def app_timeline(app_solution) -> TimelineCheck:
 
 
 # ---------------------------------------------------------------------------------------------- Voila
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _answers(port: int) -> bool:
     """True once the server answers HTTP (a static path: asking for the notebook page would start a kernel)."""
     try:
@@ -199,22 +183,6 @@ def _answers(port: int) -> bool:
         return False
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (Voila and the kernels it started), then SIGKILL what is left."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # kernels that outlived their server
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=15)
-
-
 @pytest.fixture(scope="session")
 def voila_url(tmp_path_factory):
     """Serve tests/ui/explorer_app.ipynb with Voila on 127.0.0.1 and a free port; yield its URL; always stop it."""
@@ -222,7 +190,7 @@ def voila_url(tmp_path_factory):
         pytest.fail("the explorer's browser test serves its notebook with Voila: pip install voila")
     tmp = tmp_path_factory.mktemp("voila")
     log_path = tmp / "voila.log"
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env.update(
         PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),  # the kernelspec runs "python"
@@ -246,4 +214,4 @@ def voila_url(tmp_path_factory):
             time.sleep(0.25)
         yield f"http://127.0.0.1:{port}/"
     finally:
-        _stop(proc)
+        stop_server(proc)
