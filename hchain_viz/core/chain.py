@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import InvalidChain
 from .batch import BatchFit
 from .fixed import FixedMemory
-from .units import format_bytes, format_time
+from .units import finite_nonnegative, format_bytes, format_time
 
 CHAIN_FORMAT = "hchain-chain/1"
 
@@ -495,16 +495,7 @@ def _check_numbers(vals: Sequence[Any], name: str, expected: int) -> list[float]
             f"{name} has {len(vals)} entries but needs {expected} "
             f"({'L+1: one per stage input plus the output' if name == 'x' else 'one per stage'})"
         )
-    out = []
-    for i, v in enumerate(vals):
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            raise InvalidChain(f"{name}[{i}] = {v!r} is not a number") from None
-        if math.isnan(f) or math.isinf(f) or f < 0:
-            raise InvalidChain(f"{name}[{i}] = {v!r}; times and sizes must be finite and non-negative")
-        out.append(f)
-    return out
+    return [finite_nonnegative(v, f"{name}[{i}]") for i, v in enumerate(vals)]
 
 
 def _floats(vals: Sequence[Any], name: str, expected: int) -> tuple[float, ...]:

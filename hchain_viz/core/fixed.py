@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import InvalidChain
-from .units import format_bytes
+from .units import finite_nonnegative, format_bytes
 
 
 @dataclass(frozen=True)
@@ -116,10 +116,4 @@ class FixedMemory:
 
 
 def _size(v: Any, name: str) -> int:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise InvalidChain(f"fixed.{name} = {v!r} is not a number of bytes") from None
-    if math.isnan(f) or math.isinf(f) or f < 0:
-        raise InvalidChain(f"fixed.{name} = {v!r}; sizes must be finite and non-negative")
-    return int(math.ceil(f))
+    return int(math.ceil(finite_nonnegative(v, f"fixed.{name}", "sizes", "a number of bytes")))

@@ -6,7 +6,7 @@ import math
 import numbers
 import re
 
-from ..errors import HChainError
+from ..errors import HChainError, InvalidChain
 
 _BYTE_UNITS = {
     "": 1, "b": 1,
@@ -62,3 +62,15 @@ def parse_bytes(text: str | int | float) -> int:
     if not math.isfinite(value):  # '1e400' overflows to inf
         raise HChainError(f"memory size {text!r} is too large to be a number of bytes")
     return int(value)
+
+
+def finite_nonnegative(v: object, label: str, what: str = "times and sizes", kind: str = "a number") -> float:
+    """``v`` as a float, or :class:`InvalidChain` naming ``label`` (``"x[3]"``, ``"fixed.params"``) when it is not a
+    number, or is NaN, infinite or negative (the one check behind every time and size a chain holds)."""
+    try:
+        f = float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InvalidChain(f"{label} = {v!r} is not {kind}") from None
+    if math.isnan(f) or math.isinf(f) or f < 0:
+        raise InvalidChain(f"{label} = {v!r}; {what} must be finite and non-negative")
+    return f

@@ -568,11 +568,15 @@ class Explorer:
                                                    f"activations)")
         return lay
 
-    def _redraw_all(self) -> None:
-        """After a change of chain, device or axis: every control and figure from the current state."""
+    def _read_views(self) -> None:
+        """The strategy's and the overlay's views at the current budget; the step cursor back at the end."""
         self._view, self._note = self._view_for(self._strategy, self._budget)
         self._overlay_view = None if self._overlay is None else self._view_for(self._overlay, self._budget)[0]
         self._step = self._view.n
+
+    def _redraw_all(self) -> None:
+        """After a change of chain, device or axis: every control and figure from the current state."""
+        self._read_views()
         off = self._offset
         self._syncing = True
         try:
@@ -673,9 +677,7 @@ class Explorer:
     # ------------------------------------------------------------------------------------------ drawing
     def _draw_budget(self, frontier: bool = True) -> None:
         """Re-read the schedule(s) at the current budget and redraw everything (step reset to the end)."""
-        self._view, self._note = self._view_for(self._strategy, self._budget)
-        self._overlay_view = None if self._overlay is None else self._view_for(self._overlay, self._budget)[0]
-        self._step = self._view.n
+        self._read_views()
         v = self._view
         self._syncing = True
         try:
