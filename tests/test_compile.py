@@ -112,7 +112,10 @@ def test_compiled_peak_agrees_with_the_operating_system():
     assert run.returncode == 0, run.stderr[-2000:]
     logged, os_peak = map(int, run.stdout.split()[-2:])
     assert logged > 10 * 2**20
-    assert abs(os_peak - logged) <= 0.01 * logged
+    # Blocks under 64 KiB come from heap pages that may already be resident, so the OS can see a little less than
+    # the log: 0.99-1.00 of it here, 0.96 on CI's machines. Counting a 2 MiB activation twice, or missing one,
+    # would move the ratio by 15%.
+    assert 0.92 * logged <= os_peak <= 1.02 * logged
 
 
 def test_a_compiled_module_is_not_cut_into_stages():

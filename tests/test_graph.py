@@ -18,7 +18,7 @@ from torch.nn import functional as F  # noqa: E402
 
 from hchain_viz.errors import HChainError, NotSequentialError  # noqa: E402
 from hchain_viz.runtime import models  # noqa: E402
-from hchain_viz.runtime.graph import GraphStage, cached_stages, extract_stages  # noqa: E402
+from hchain_viz.runtime.graph import GraphStage, _without_cache, cached_stages, extract_stages  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -396,7 +396,10 @@ def _train_step_matches(model, x, loss_fn, seed=11, granularity=None):
     torch.manual_seed(seed)
     loss_fn(wrapped(x)).backward()
     torch.manual_seed(seed)
-    loss_fn(twin(**x) if isinstance(x, dict) else twin(x)).backward()
+    # The eager reference runs as HF's gradient checkpointing does, with the KV cache off: with it on, eager attention
+    # reads contiguous copies of keys and values from the cache, and where BLAS rounding depends on layout (AVX-512)
+    # the last bits of the gradients differ from the cache-free step.
+    loss_fn(twin(**_without_cache(twin, x)) if isinstance(x, dict) else twin(x)).backward()
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad), name
     return chain
