@@ -255,9 +255,42 @@ def test_kernel_equals_twin_with_shared_tensors(chain, slots):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_kernel_equals_twin_random_chains(seed):
-    """Longer real-valued chains cross the kernel's blocks of stages (8) several times."""
-    chain = hcv.Chain.random(19, seed=seed, zero_fraction=0.2 if seed % 2 else 0.0)
+    """Longer real-valued chains cross the kernel's blocks of stages (8) and tiles of l (8) several times."""
+    chain = hcv.Chain.random(19 if seed < 4 else 30, seed=seed, zero_fraction=0.2 if seed % 2 else 0.0)
     _check_twin(chain, solver.store_all_peak(chain), 40)
+
+
+def _tables(chain: hcv.Chain, slots: int, threads: int) -> tuple[np.ndarray, ...]:
+    """The kernel's C and D tables with their choices, filled on ``threads`` threads."""
+    sizes = solver._slot_sizes(chain, solver.store_all_peak(chain), slots)
+    arr = chain.arrays()
+    L = chain.length
+    rows = L * (L + 1) // 2
+    C, Cch = np.empty((rows, slots + 1)), np.empty((rows, slots + 1), np.int16)
+    D, Dch = np.empty((L + 1, slots + 1)), np.empty((L + 1, slots + 1), np.int16)
+    solver._kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["fwd_tmp"], sizes["bwd_tmp"],
+                              arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, threads)
+    return C, Cch, D, Dch
+
+
+@pytest.mark.parametrize("L", [9, 37, 70])
+def test_kernel_tables_do_not_depend_on_the_thread_count(L):
+    """The fill splits each block of stages between threads: every split gives the same tables, bit for bit."""
+    chain = hcv.Chain.random(L, seed=L, zero_fraction=0.2)
+    one = _tables(chain, 120, 1)
+    for threads in (2, 3, 8):
+        assert all(np.array_equal(a, b) for a, b in zip(one, _tables(chain, 120, threads)))
+
+
+def test_concurrent_solves_from_threads():
+    """Two Python threads solving at once (two explorers) neither crash Numba's threading layer nor mix results."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chains = [hcv.Chain.random(60, seed=s) for s in range(4)]
+    alone = [hcv.solve(c)._Cch for c in chains]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(lambda c: hcv.solve(c)._Cch, chains))
+    assert all(np.array_equal(a, b) for a, b in zip(alone, together))
 
 
 # ---------------------------------------------------------------------------------------------------- consistency

@@ -4,8 +4,9 @@
 (slots), the median build time of ``solve`` after a warm-up, the memory of the tables while building (float64 times
 + int16 choices) and kept afterwards (the choices), and the median time of ``Solution.schedule`` at a mid-range
 budget. Then the cost of a fresh process (import + first solve of L=100), with Numba's cache empty and warm.
-Chains are ``Chain.random(L, seed=0)``. Timings are wall-clock, with the build's CPU time beside it: on a shared
-machine the wall time is noisy and inflated, and the gap shows by how much.
+Chains are ``Chain.random(L, seed=0)``. Timings are wall-clock, with the build's CPU time beside it: the table fill
+runs on Numba's threads (``NUMBA_NUM_THREADS``, default one per core), so CPU time is up to that many times the wall
+time; on a shared machine both are noisy, and the old and new code are best compared side by side in one run.
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ _COLD_CODE = (
 
 
 def _median_time(fn, reps: int) -> tuple[float, float]:
-    """Median (wall, CPU) seconds of ``fn()``. The kernels are serial, so CPU time is what an idle machine's wall
-    time would be; a gap between the two measures the machine's load."""
+    """Median (wall, CPU) seconds of ``fn()`` (CPU time summed over the threads of the process)."""
     wall, cpu = [], []
     for _ in range(reps):
         t, c = time.perf_counter(), time.process_time()

@@ -31,6 +31,7 @@ their input and never hand Python objects to the kernels.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,10 @@ _NUMBA_OPTIONS = {"cache": True, "nogil": True, "fastmath": False, "error_model"
 # float reassociation, e.g. around zero-cost stages) nothing is recomputed.
 _TIE_RTOL = 1e-12
 
+# A leaf option is skipped at budgets where its least possible time exceeds the best so far by this relative margin
+# (far above the tie rule's slack, far below any real difference: see _useful_end).
+_PRUNE_RTOL = 1e-9
+
 # Choice codes in the tables: the chain option (also the base case i == l, and the loss), or infeasible; a leaf
 # option stores its checkpoint index j > i.
 _CHAIN = 0
@@ -70,6 +75,10 @@ _MAX_TABLE_BYTES = 8 * 2**30
 # Stages i whose C rows are filled together (one block): they read the same right-hand rows C[j, l], so each is
 # fetched from memory once per block instead of once per row. 8 measured best at L = 100..300 (table >> cache).
 _BLOCK = 8
+# Rows (i, l) of a block filled together over l (see _fill_table): each left row C[i, j-1] is read once per tile.
+_TILE = 8
+# The loop _fill_table splits between threads: numba.prange once the kernels compile (_kernels), range before.
+prange = range
 
 
 def _row(L, i, l):  # noqa: E741  # pragma: no cover - runs compiled
@@ -109,6 +118,34 @@ def _bounds(x, xs, xbar, ftmp, btmp, G, LOC, SAT):  # pragma: no cover - runs co
             SAT[i, l] = max(LOC[i, l], xbar[i] + SAT[i + 1, l])
 
 
+def _useful_end(out, ub, lo, hi, bound):  # pragma: no cover - runs compiled
+    """The end of the budgets in ``[lo, hi)`` where a leaf option whose time is at least ``bound`` can still win.
+
+    ``out`` is the best so far, ``ub`` the time of some valid schedule of the same sub-chain (an upper bound of the
+    optimum). Both are non-increasing in m (every C row is), so the budgets where ``min(out, ub) < bound`` form a
+    suffix: the leaf loses there, and the search for its start is binary. The margin ``_PRUNE_RTOL`` covers float
+    rounding and the tie rule's slack (a chain option kept within 1e-12 of a leaf per level) so that nothing the full
+    loop would have changed is skipped: the tables stay bit-for-bit the same."""
+    limit = bound * (1.0 - _PRUNE_RTOL)
+    if not min(out[hi - 1], ub[hi - 1]) < limit:
+        return hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if min(out[mid], ub[mid]) < limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _chain_time(u, sub, t, shift, lo):  # pragma: no cover - runs compiled
+    """``u[m] = t + sub[m - shift]`` from ``lo`` on (the chain option's time over ``sub``), ``inf`` below."""
+    for m in range(lo):
+        u[m] = np.inf
+    for m in range(lo, u.shape[0]):
+        u[m] = t + sub[m - shift]
+
+
 def _leaf(out, cho, right, left, f, j, ties):  # pragma: no cover - runs compiled
     """``out = min(out, f + right + left)`` elementwise, recording ``j`` where it wins (``ties``: also on equality).
 
@@ -130,17 +167,73 @@ def _leaf(out, cho, right, left, f, j, ties):  # pragma: no cover - runs compile
             cho[k] = j if better else cho[k]
 
 
-def _fill_table(x, xs, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: no cover - runs compiled
+def _leaves(C, Cch, U, F, G, SAT, xs, L, S1, ilo, i0, i1, j, l):  # noqa: E741  # pragma: no cover - runs compiled
+    """Leaf options with the checkpoint at ``j`` (beyond the block, its rows final) for the rows (i, l), i in
+    ``[i0, i1)`` of the block that starts at ``ilo``: strict <, so over j ascending the smallest j wins ties. The right
+    row C[j, l] is shared by these rows."""
+    rj = _row(L, j, l)
+    for i in range(i0, i1):
+        xj = xs[i, j]
+        lo = max(G[i, l], xj)
+        hi = min(S1, SAT[i, l])
+        if lo < hi:
+            r = _row(L, i, l)
+            rl = _row(L, i, j - 1)
+            f = F[i - ilo, j]
+            hi = _useful_end(C[r], U[i - ilo], lo, hi, f + C[rj, S1 - 1] + C[rl, S1 - 1])
+            if lo < hi:
+                _leaf(C[r, lo:hi], Cch[r, lo:hi], C[rj, lo - xj:hi - xj], C[rl, lo:hi], f, j, False)
+
+
+def _finish(C, Cch, u, F, G, LOC, SAT, xs, xbar, fwd, bwd, L, S1, ilo, i, top, l, keep):  # noqa: E741  # pragma: no cover
+    """Finish row (i, l) once the rows (j, l) of the block above i are final: leaves with j in the block,
+    descending with <= so the smallest j wins ties; then the chain option (preferred on ties); ``u`` is scratch."""
+    r = _row(L, i, l)
+    out = C[r]
+    cho = Cch[r]
+    t = fwd[i] + bwd[i]
+    lo = LOC[i, l]
+    if i < l:  # the chain option's time bounds the leaves below
+        _chain_time(u, C[_row(L, i + 1, l)], t, xbar[i], min(lo, S1))
+    hi = min(S1, SAT[i, l])
+    for j in range(top, i, -1):
+        xj = xs[i, j]
+        lo_j = max(G[i, l], xj)
+        if lo_j < hi:
+            rj = _row(L, j, l)
+            rl = _row(L, i, j - 1)
+            f = F[i - ilo, j]
+            end = _useful_end(out, u, lo_j, hi, f + C[rj, S1 - 1] + C[rl, S1 - 1])
+            if lo_j < end:
+                _leaf(out[lo_j:end], cho[lo_j:end], C[rj, lo_j - xj:end - xj], C[rl, lo_j:end], f, j, True)
+    if i == l:
+        for m in range(lo, S1):
+            out[m] = t
+    elif lo < S1:
+        _take_chain(out[lo:], cho[lo:], C[_row(L, i + 1, l), lo - xbar[i]:], t, keep)
+    for m in range(S1):
+        if out[m] == np.inf:
+            cho[m] = _NONE
+
+
+def _fill_table(x, xs, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # pragma: no cover - runs compiled
     """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices.
     Sizes in slots (see ``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes the gradients δ; ``xs[i, j]`` the
     part of x_j not in x_i, what a value x_j costs while x_i is resident (DESIGN §8); ``xbar`` the part of x̄_{i+1} not
     in x_i.
 
-    Order: stages i descending, in blocks of _BLOCK; for each block, l ascending; then every entry read is final
-    (C[j, l] has j > i, C[i, j-1] has j-1 < l; sizes of 0 read the same m of those rows). m is innermost.
+    Order: stages i descending, in blocks of _BLOCK; for each block, l ascending in tiles of _TILE; then every entry
+    read is final (C[j, l] has j > i, C[i, j-1] has j-1 < l; sizes of 0 read the same m of those rows). m is
+    innermost. Per row the options are taken in one fixed order: leaves with j beyond the block ascending, leaves
+    with j in the block descending, the chain option.
 
     Tie rule (the twin in tests/oracles.py follows it): among leaf options the least time wins, the smallest j on
     equal time; the chain option wins unless the best leaf is faster by more than _TIE_RTOL (relative).
+
+    Pruning (exact: the tables are bit-for-bit those of the plain loops): a leaf is skipped at the budgets where its
+    least possible time already exceeds a known schedule's (_useful_end). Nearly all the time is memory traffic over
+    rows of C: a tile reads each left row C[i, j-1] once for its _TILE rows (i, l), each right row C[j, l] once for
+    the block's rows, while the tile's own rows stay in cache.
     """
     L = xbar.shape[0]
     S1 = C.shape[1]
@@ -151,7 +244,11 @@ def _fill_table(x, xs, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: n
     SAT = np.empty((L, L), np.int64)
     _bounds(x, xs, xbar, ftmp, btmp, G, LOC, SAT)
     B = _BLOCK
+    T = _TILE
     F = np.empty((B, L + 1))  # F[i - ilo, j] = fwd[i] + ... + fwd[j-1], summed in that order
+    # U[l - la, i - ilo]: the time of a valid schedule of (i, l) per budget, which prunes leaf options: Fall(i..ihi)
+    # around the final row (ihi+1, l), for the leaves beyond the block.
+    U = np.empty((T, B, S1))
     for ihi in range(L - 1, -1, -B):
         ilo = max(0, ihi - B + 1)
         for i in range(ilo, ihi + 1):
@@ -159,45 +256,35 @@ def _fill_table(x, xs, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch):  # pragma: n
             for j in range(i + 1, L + 1):
                 s += fwd[j - 1]
                 F[i - ilo, j] = s
-        for l in range(ilo, L):  # noqa: E741
-            top = min(ihi, l)
-            for i in range(ilo, top + 1):
-                C[_row(L, i, l)] = inf
+        for l in range(ilo, ihi + 1):  # noqa: E741  # no checkpoint beyond the block yet
+            for i in range(ilo, l + 1):
+                C[_row(L, i, l)] = np.inf
                 Cch[_row(L, i, l)] = _CHAIN
-            # Leaf options with j beyond the block (rows C[j, l] final): j ascending, strict <, shared right rows.
-            for j in range(ihi + 1, l + 1):
-                rj = _row(L, j, l)
-                for i in range(ilo, top + 1):
-                    xj = xs[i, j]
-                    lo = max(G[i, l], xj)
-                    hi = min(S1, SAT[i, l])
-                    if lo < hi:
-                        r = _row(L, i, l)
-                        _leaf(C[r, lo:hi], Cch[r, lo:hi], C[rj, lo - xj:hi - xj], C[_row(L, i, j - 1), lo:hi],
-                              F[i - ilo, j], j, False)
-            # Finish the block's rows, i descending (C[j, l] for j in the block is then final): leaves with j in
-            # the block, descending with <= so the smallest j wins ties; then the chain option.
-            for i in range(top, ilo - 1, -1):
-                r = _row(L, i, l)
-                hi = min(S1, SAT[i, l])
-                for j in range(top, i, -1):
-                    xj = xs[i, j]
-                    lo = max(G[i, l], xj)
-                    if lo < hi:
-                        _leaf(C[r, lo:hi], Cch[r, lo:hi], C[_row(L, j, l), lo - xj:hi - xj],
-                              C[_row(L, i, j - 1), lo:hi], F[i - ilo, j], j, True)
-                out = C[r]
-                cho = Cch[r]
-                t = fwd[i] + bwd[i]
-                lo = LOC[i, l]
-                if i == l:
-                    for m in range(lo, S1):
-                        out[m] = t
-                elif lo < S1:
-                    _take_chain(out[lo:], cho[lo:], C[_row(L, i + 1, l), lo - xbar[i]:], t, keep)
-                for m in range(S1):
-                    if out[m] == inf:
-                        cho[m] = _NONE
+            for i in range(l, ilo - 1, -1):
+                _finish(C, Cch, U[0, 0], F, G, LOC, SAT, xs, xbar, fwd, bwd, L, S1, ilo, i, l, l, keep)
+        for la in range(ihi + 1, L, T):
+            lb = min(L - 1, la + T - 1)
+            for l in range(la, lb + 1):  # noqa: E741
+                for i in range(ihi, ilo - 1, -1):
+                    C[_row(L, i, l)] = np.inf
+                    Cch[_row(L, i, l)] = _CHAIN
+                    sub = C[_row(L, ihi + 1, l)] if i == ihi else U[l - la, i + 1 - ilo]
+                    _chain_time(U[l - la, i - ilo], sub, fwd[i] + bwd[i], xbar[i], min(LOC[i, l], S1))
+            # Checkpoints j <= la: their left rows C[i, j-1] are final for every row of the tile. The rows of
+            # different i are independent here: the block is split between the threads, in contiguous parts.
+            parts = min(threads, ihi + 1 - ilo)
+            for part in prange(parts):
+                i0 = ilo + (ihi + 1 - ilo) * part // parts
+                i1 = ilo + (ihi + 1 - ilo) * (part + 1) // parts
+                for j in range(ihi + 1, la + 1):
+                    for l in range(la, lb + 1):  # noqa: E741
+                        _leaves(C, Cch, U[l - la], F, G, SAT, xs, L, S1, ilo, i0, i1, j, l)
+            for l in range(la, lb + 1):  # noqa: E741
+                for j in range(la + 1, l + 1):  # left rows of the tile, final now
+                    _leaves(C, Cch, U[l - la], F, G, SAT, xs, L, S1, ilo, ilo, ihi + 1, j, l)
+                for i in range(ihi, ilo - 1, -1):
+                    _finish(C, Cch, U[l - la, i - ilo], F, G, LOC, SAT, xs, xbar, fwd, bwd, L, S1, ilo, i, ihi, l,
+                            keep)
 
     # The spine with the loss: D[., L] is the loss (creates δ_L), then i = L-1 .. 0.
     for m in range(S1):  # δ_L
@@ -336,6 +423,9 @@ def _least_memory(x, xs, xbar, ftmp, btmp):  # pragma: no cover - runs compiled
 
 
 _compiled: dict[str, Any] = {}
+# One table fill at a time: _fill_table runs on Numba's threads, and its default threading layer (workqueue) aborts
+# the process when two Python threads launch parallel kernels at once (say, two explorers solving in the background).
+_FILL_LOCK = threading.Lock()
 
 
 def _kernels() -> dict[str, Any]:
@@ -347,11 +437,14 @@ def _kernels() -> dict[str, Any]:
             raise DependencyError("the solver needs Numba: pip install numba (it comes with pip install hchain_viz)") \
                 from None
 
-        # Callees first: a kernel resolves the helpers it calls through the module globals when it compiles.
+        # Callees first: a kernel resolves the helpers it calls (and prange) through the module globals when it
+        # compiles.
         g = globals()
-        for name in ("_row", "_take_chain", "_bounds", "_leaf", "_fill_table", "_rebuild", "_least_memory"):
-            g[name] = numba.njit(**_NUMBA_OPTIONS)(g[name])
-        _compiled.update(fill=_fill_table, rebuild=_rebuild, least=_least_memory)
+        g["prange"] = numba.prange
+        for name in ("_row", "_take_chain", "_bounds", "_useful_end", "_chain_time", "_leaf", "_leaves", "_finish",
+                     "_fill_table", "_rebuild", "_least_memory"):
+            g[name] = numba.njit(**_NUMBA_OPTIONS, parallel=name == "_fill_table")(g[name])
+        _compiled.update(fill=_fill_table, rebuild=_rebuild, least=_least_memory, threads=numba.get_num_threads)
     return _compiled
 
 
@@ -661,8 +754,10 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     Cch = np.empty((rows, slots + 1), choice_type)
     D = np.empty((L + 1, slots + 1), np.float64)
     Dch = np.empty((L + 1, slots + 1), choice_type)
-    _kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["fwd_tmp"], sizes["bwd_tmp"], arr["fwd_time"],
-                       arr["bwd_time"], C, Cch, D, Dch)
+    k = _kernels()
+    with _FILL_LOCK:
+        k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["fwd_tmp"], sizes["bwd_tmp"], arr["fwd_time"],
+                  arr["bwd_time"], C, Cch, D, Dch, k["threads"]())
     D0 = D[0].copy()
     del C, D  # only the choices (and the answers D[., 0]) are kept
     return Solution(chain, max_budget, slots, peak, sizes, Cch, Dch, D0)
