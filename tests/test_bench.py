@@ -10,3 +10,23 @@ def test_pareto_rule():
     pts = [(100, 1.0), (100, 1.2), (80, 1.5), (120, 1.1), (80, 1.5), (60, 3.0)]
     assert pareto_efficient(pts) == [True, False, True, False, True, True]
     assert pareto_efficient([]) == []
+
+
+# ---------------------------------------------------------------------------------------------- bench offload
+def test_llama_chain_from_analytic_counts():
+    """bench offload's LLaMA-7B-like chain: sizes from the formulas of its docstring, times from the profiler's
+    roofline (compute-bound at this width), labelled as an estimate."""
+    from hchain_viz.bench.offload import llama_chain
+    from hchain_viz.runtime.roofline import COMPUTE_EFFICIENCY, GPUS
+
+    c = llama_chain(layers=2)
+    T, d, f = 4096, 4096, 11008
+    a, m = 2 * T * d, 2 * T * f
+    assert c.length == 4 and c.x == (a,) * 5 and [g[1:] for g in c.groups] == [(0, 1), (2, 3)]
+    assert c.xbar[0] == a + 5 * a + 4 * T + 32 * 4096 * 4 and c.xbar[1] == 2 * a + 4 * m + 4 * T
+    rate = GPUS["H100"].tensor16 * COMPUTE_EFFICIENCY
+    assert c.fwd_time[1] == 6 * T * d * f / rate and c.bwd_time[1] == 2 * c.fwd_time[1]
+    assert c.fwd_time[0] == (8 * T * d * d + 2 * 4096 * 4096 * d) / rate
+    assert "estimate" in c.meta["times"]
+    rate = sum(llama_chain().xbar) / llama_chain().store_all_time
+    assert 50 * 2**30 < rate < 80 * 2**30  # activations at about the rate of a PCIe 5.0 link

@@ -3,6 +3,8 @@ exhaustive search over the extended op set (tests/oracles.py::brute_offload).
 
 - every answer replays in ``simulate`` within its budget, to the reported makespan;
 - it is never slower than the remat-only optimum at the same budget, and faster where a fast link has room to work;
+- a link slower than the chain makes activations (copies queue): the fit still covers the budget;
+- a LLaMA-like slice at PCIe 5.0: offloading removes a fair share of the recomputation overhead;
 - on small integer chains, against every remat-only schedule with up to one (L = 3) or two (L = 2) Off/Pre pairs at
   every pair of positions: how often it is optimal and how far off at worst (the numbers in the notes of issue 15);
 - errors: no bandwidth, bad grid, infeasible budgets.
@@ -18,7 +20,7 @@ import pytest
 from test_solver import random_int_chain
 
 import hchain_viz as hcv
-from hchain_viz.core.offload import OffloadSolution, fit_by_offload
+from hchain_viz.core.offload import OffloadSolution, fit_by_offload, solve_offload
 from hchain_viz.errors import HChainError, InfeasibleBudget
 
 
@@ -80,6 +82,35 @@ def test_fit_by_offload_by_hand():
     assert trace.peak_memory <= 34 and trace.makespan == 8.0 and fitted.n_transfers >= 2
 
 
+def test_fit_by_offload_on_a_queued_link():
+    """A link slower than the chain makes activations: the offloads queue, so a value frees its bytes only when its
+    copy is done. The first cover assumes each copy starts at once and falls short; the next round must start from
+    the replayed peaks and copy completions (not count the chosen pairs twice) and offload more."""
+    ch = hcv.Chain(fwd_time=[1.0] * 6, bwd_time=[2.0] * 6, x=[1] * 7, xbar=[10] * 6, bandwidth=5.0)
+    s = hcv.strategies.store_all(ch)
+    assert hcv.simulate(ch, s).peak_memory == 63
+    fitted = fit_by_offload(ch, s, 52)
+    assert fitted is not None
+    trace = hcv.simulate(ch, fitted)
+    assert trace.peak_memory <= 52 and trace.makespan == ch.store_all_time and trace.n_transfers >= 4
+
+
+def test_more_offload_pays_where_the_link_keeps_up():
+    """A LLaMA-like slice (bench offload's chain, 4 layers): at PCIe 5.0 offloading removes a fair share of the
+    recomputation overhead at a mid budget, and never loses."""
+    from hchain_viz.bench.offload import llama_chain
+
+    chain = llama_chain(layers=4).with_bandwidth("pcie5")
+    remat = hcv.solve(chain.with_bandwidth(None))
+    b = int(remat.min_budget + 0.3 * (remat.store_all_peak - remat.min_budget))
+    sol = solve_offload(chain, grid=[b], remat=remat)
+    r, o, base = sol.remat.makespan(b), sol.makespan(b), chain.store_all_time
+    assert r > 1.05 * base and o <= r
+    assert (r - o) / (r - base) >= 0.2
+    trace = hcv.simulate(chain, sol.schedule(b))
+    assert trace.peak_memory <= b and math.isclose(trace.makespan, o, rel_tol=1e-12)
+
+
 def _compare(seeds, bandwidths=(0.5, 2.0, 8.0)):
     ratios = []
     for seed in seeds:
@@ -101,8 +132,9 @@ def _compare(seeds, bandwidths=(0.5, 2.0, 8.0)):
 
 
 def test_against_exhaustive_search_on_small_chains():
-    """Seeds 0, 1 and 4 (4 holds the worst case seen over seeds 0..49, 1.143; the notes of issue 15 have the full
-    count): mostly optimal, never more than 15% off the best schedule of the exhaustive search."""
+    """Seeds 0, 1 and 4 (4 holds the worst case seen over seeds 0..49, 1.143; over seeds 0..29, 370 of 373 pairs
+    optimal, mean ratio 1.0007, as core/offload.py's docstring says): mostly optimal, never more than 15% off the
+    best schedule of the exhaustive search."""
     r = _compare((0, 1, 4))
     assert len(r) >= 30
     assert (r <= 1 + 1e-9).mean() >= 0.95

@@ -8,8 +8,10 @@ The algorithm is a heuristic judged by the simulator, not an exact DP. Why: the 
 which would not answer a budget slider within 100 ms at L = 50. What it does, for a budget ``B``:
 
 1. Candidates are remat-only optimal schedules at budgets ``B' >= B`` (the remat frontier's breakpoints: the nearest
-   densely, farther ones at geometric distances, a few dozen at most): each is faster than the optimum at ``B`` but
-   may peak above ``B``.
+   densely, farther ones at geometric distances, a few dozen at most, tried fastest first): each is faster than the
+   optimum at ``B`` but may peak above ``B``. Between the fastest candidate that fits by offload and the next faster
+   one tried, the breakpoints are bisected (fitting gets harder as ``B'`` grows, so the best start is usually near
+   that boundary; a handful more fits).
 2. *Fit by offload*: the excess of each op over ``B`` is covered greedily. A value (x̄_{i+1} left by ``Fall(i)``, or
    a checkpoint x_i kept by ``Fck(i)``) that sits unused between two of its uses can go to the host in between:
    ``Off(i)`` right after the first use, ``Pre(i)`` as late as the link allows it to arrive before the second use
@@ -17,14 +19,28 @@ which would not answer a budget slider within 100 ms at L = 50. What it does, fo
    while the value is on the host; the op with the largest remaining excess is covered first, by the largest value
    idle across it whose copies hide behind compute (a copy that would make compute wait is a last resort).
 3. The simulator judges: the fitted schedule is replayed (transfer channels, idle waits, frees at copy completion);
-   if its peak still exceeds ``B`` the cover is repeated on the replayed times, a few rounds at most.
+   if its peak still exceeds ``B`` the cover is repeated on the replayed trace, a few rounds at most. A later round
+   starts from the replay's own excess (the pairs already chosen are in it, not counted twice) and from when each
+   chosen ``Off`` really completed: on a link slower than the chain makes activations the offloads queue behind one
+   another, and a value frees its bytes only when its copy is done.
 4. The answer is the fastest simulated candidate within ``B``, or the remat-only optimum at ``B`` when nothing beats
    it: by construction never slower than remat-only, and every answer has been simulated.
 
+What it cannot do: it only adds transfers to remat-only optima, so it never changes a schedule's recomputation to
+make room for them (e.g. a segment whose x̄ are all needed again within one copy time stays uncoverable); the exact
+joint problem is the NP-hard one above. Checked against the exhaustive search of tests/oracles.py (every remat-only
+sequence with up to one, or on 2-stage chains two, Off/Pre pairs at every pair of positions) on random integer
+chains of 1-3 stages, seeds 0-29 at three bandwidths (373 (chain, budget) pairs): optimal on 370, at worst 14.3%
+slower (a ratio of 8/7), 0.07% slower on average (tests/test_offload.py checks seeds 0, 1 and 4). These tiny
+chains never queue copies, so the replay rounds of step 3 and the bisection of step 1 do not change those numbers;
+they matter on long chains with a slow link (bench offload: llama-7b at PCIe 5.0, 25% to 29% of the overhead
+removed; synthetic 8% to 9%). Tried and dropped, for no gain on those chains: moving prefetches earlier to remove
+idle waits (there the prefetch channel is busy back to back through the backward, so the waits come from the
+volume offloaded, which the choice of starting schedule already trades against recomputation).
+
 Budgets are answered from a precomputed grid (``grid`` budgets from half the remat-only least budget to the
 store-all peak, denser near the least budget): the answer at ``b`` is the better of the remat-only optimum at ``b``
-and the grid answer at the largest grid budget ``<= b``. How far from the exhaustive optimum this lands on small
-chains is measured in tests/test_offload.py and in the notes of issue 15.
+and the grid answer at the largest grid budget ``<= b``.
 """
 
 from __future__ import annotations
@@ -126,11 +142,20 @@ def _cover(chain: Chain, base: list[Op], trace: Trace, budget: int,
                     q -= 1
                 if first < b:
                     gaps.append([size, copy, a + 1, b, first, q, 0, i])
+    # actual Off completion times of the chosen pairs in the replayed trace (the channel queues them)
+    done: dict[tuple[int, int], float] = {}
+    n = 0
+    for e in trace.events:
+        if not e.is_transfer:
+            n += 1
+        elif e.op.kind == "Off":
+            done[(n, e.op.stage)] = e.end
     for lo, hi, off, _ in chosen:  # pairs from earlier rounds: the same gaps, already chosen
         for g in gaps:
             if g[2] == lo and g[7] == off.stage and g[3] >= hi:
-                g[6] = hi
-                excess[g[4]:hi] -= g[0]
+                if (lo, off.stage) in done:
+                    g[4] = max(g[4], int(np.searchsorted(start, done[(lo, off.stage)], side="left")))
+                g[6] = hi  # the replayed trace's peaks already count it on the host
     while (excess > 0).any():
         k = int(np.argmax(excess))
         best, best_score = None, None
@@ -271,17 +296,17 @@ def _grid(remat: Any, top: int, n: int) -> list[int]:
     return sorted({max(1, int(b)) for b in budgets})
 
 
-def _candidates(remat: Any, budget: int) -> list[tuple[float, int]]:
-    """Remat-only frontier breakpoints above ``budget`` to start from, fastest first: the nearest ones densely (they
-    need the least offloading), farther ones at geometrically growing distances (the k-th nearest for k < 8, then
-    every ~25% farther), and store-all's (offloading alone may fit it)."""
-    above = [(t, b) for b, t in remat.frontier() if b > budget]
+def _candidates(above: list[tuple[float, int]]) -> list[int]:
+    """Indices into ``above`` (the remat-only frontier breakpoints above the budget, budgets increasing) to start
+    from, fastest first: the nearest ones densely (they need the least offloading), farther ones at geometrically
+    growing distances (the k-th nearest for k < 8, then every ~25% farther), and store-all's (offloading alone may
+    fit it)."""
     picks, k = list(range(min(_NEAR, len(above)))), float(_NEAR)
     while k < len(above):
         picks.append(int(k))
         k *= _RATIO
     picks.append(len(above) - 1)
-    return sorted(above[i] for i in sorted(set(picks)) if i >= 0)
+    return sorted({i for i in picks if i >= 0}, reverse=True)
 
 
 def remat_refined(chain: Chain, remat: Any, budget: int, n: int = 16) -> tuple[float, Schedule | None]:
@@ -298,17 +323,45 @@ def remat_refined(chain: Chain, remat: Any, budget: int, n: int = 16) -> tuple[f
 
 
 def _best_at(chain: Chain, remat: Any, budget: int) -> tuple[float, Schedule] | None:
-    """The fastest simulated offload schedule within ``budget`` found from the candidates, if it beats remat-only."""
+    """The fastest simulated offload schedule within ``budget`` found from the candidates, if it beats remat-only.
+
+    The sparse candidates (:func:`_candidates`) are tried fastest first; then the breakpoints between the fastest
+    one that fitted and the next faster one tried (which did not fit, or fitted slower) are bisected: fitting gets
+    harder as the starting budget grows, so the best start is usually near that boundary."""
     best_t, best = remat_refined(chain, remat, budget)
-    for t, b in _candidates(remat, budget):
-        if t >= best_t * (1 - 1e-12):
+    above = [(t, b) for b, t in remat.frontier() if b > budget]  # budgets increasing, makespans decreasing
+    tried: dict[int, float] = {}  # index into above -> simulated makespan of its fit (inf: none within budget)
+
+    def attempt(j: int) -> float:
+        nonlocal best_t, best
+        if j not in tried:
+            fitted = fit_by_offload(chain, remat.schedule(above[j][1]), budget)
+            tried[j] = math.inf
+            if fitted is not None:
+                tr = simulate(chain, fitted)
+                if tr.peak_memory <= budget:
+                    tried[j] = tr.makespan
+                    if tr.makespan < best_t:
+                        best_t, best = tr.makespan, fitted
+        return tried[j]
+
+    for j in _candidates(above):
+        if above[j][0] >= best_t * (1 - 1e-12):
             break  # offloading never makes a schedule faster than its remat-only time
-        fitted = fit_by_offload(chain, remat.schedule(b), budget)
-        if fitted is None:
-            continue
-        tr = simulate(chain, fitted)
-        if tr.peak_memory <= budget and tr.makespan < best_t:
-            best_t, best = tr.makespan, fitted
+        attempt(j)
+    good = [j for j, t in tried.items() if t == best_t]
+    if good:
+        lo = good[0]
+        faster = [j for j in tried if j > lo]
+        hi = min(faster) if faster else lo
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if above[mid][0] >= best_t * (1 - 1e-12):
+                break
+            if attempt(mid) <= best_t:
+                lo = mid
+            else:
+                hi = mid
     if best is not None and best.n_transfers == 0:  # a remat-only schedule: report its simulated time
         best_t = simulate(chain, best).makespan
     if best is None:
