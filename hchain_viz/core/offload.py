@@ -1,7 +1,8 @@
 """Recompute or offload (DESIGN §9): schedules that mix recomputation with copies to host memory.
 
 ``solve(chain, offload=True)`` (or :func:`solve_offload`) returns an :class:`OffloadSolution`: for each budget, the
-fastest schedule this module finds among remat-only optima and those optima with ``Off``/``Pre`` pairs added.
+fastest schedule this module finds among remat-only optima, those optima with ``Off``/``Pre`` pairs added, and
+remat optima of chains whose offloaded x̄ are discounted (step 4), with those x̄ offloaded.
 
 The algorithm is a heuristic judged by the simulator, not an exact DP. Why: the exact problem is NP-hard in general
 (Beaumont, Eyraud-Dubois, Shilova 2021); their DP is exact only on a coarse time/memory grid and is cubic in memory,
@@ -23,20 +24,33 @@ which would not answer a budget slider within 100 ms at L = 50. What it does, fo
    starts from the replay's own excess (the pairs already chosen are in it, not counted twice) and from when each
    chosen ``Off`` really completed: on a link slower than the chain makes activations the offloads queue behind one
    another, and a value frees its bytes only when its copy is done.
-4. The answer is the fastest simulated candidate within ``B``, or the remat-only optimum at ``B`` when nothing beats
+4. *Offload-discounted remat* (the one step that changes recomputation to make room for transfers): stages are
+   ranked by the compute between the two uses of their x̄_{i+1} (store-all times) per byte, where a copy hides best;
+   for each prefix S of that ranking whose volume is a share (1/4, 1/2, 3/4, 1, 3/2) of what the link moves during
+   one forward, the remat-only DP is solved once, at precompute, on a chain where each x̄_{i+1} of S costs only
+   x_{i+1} (the DP then stores those stages rather than recompute them). At a budget, each of these solutions'
+   breakpoints faster than the best so far gets ``Off(i)`` for S after the forward that last reads x_{i+1} and
+   ``Pre(i)`` as late as lets it arrive before the backward (prefetches placed from the last back, one channel);
+   the largest breakpoint whose replay fits is bisected for. These candidates stand beside those of steps 1-3.
+5. The answer is the fastest simulated candidate within ``B``, or the remat-only optimum at ``B`` when nothing beats
    it: by construction never slower than remat-only, and every answer has been simulated.
 
-What it cannot do: it only adds transfers to remat-only optima, so it never changes a schedule's recomputation to
-make room for them (e.g. a segment whose x̄ are all needed again within one copy time stays uncoverable); the exact
-joint problem is the NP-hard one above. Checked against the exhaustive search of tests/oracles.py (every remat-only
-sequence with up to one, or on 2-stage chains two, Off/Pre pairs at every pair of positions) on random integer
-chains of 1-3 stages, seeds 0-29 at three bandwidths (373 (chain, budget) pairs): optimal on 370, at worst 14.3%
-slower (a ratio of 8/7), 0.07% slower on average (tests/test_offload.py checks seeds 0, 1 and 4). These tiny
-chains never queue copies, so the replay rounds of step 3 and the bisection of step 1 do not change those numbers;
-they matter on long chains with a slow link (bench offload: llama-7b at PCIe 5.0, 25% to 29% of the overhead
-removed; synthetic 8% to 9%). Tried and dropped, for no gain on those chains: moving prefetches earlier to remove
-idle waits (there the prefetch channel is busy back to back through the backward, so the waits come from the
-volume offloaded, which the choice of starting schedule already trades against recomputation).
+What it cannot do: the discount of step 4 is all or nothing on a fixed ranking and forgets that a prefetched value is
+back on the device some time before its backward, so at budgets near the remat-only least one (where that time
+holds memory the DP gave away) its candidates do not fit and the answer comes from steps 1-3, which only add
+transfers to remat-only optima (e.g. a segment whose x̄ are all needed again within one copy time stays
+uncoverable); bench offload: llama-7b at PCIe 5.0 at 5% of the way from the least budget still removes only 2%. The
+exact joint problem is the NP-hard one above. Checked against the exhaustive search of tests/oracles.py (every
+remat-only sequence with up to one, or on 2-stage chains two, Off/Pre pairs at every pair of positions) on random
+integer chains of 1-3 stages, seeds 0-29 at three bandwidths (373 (chain, budget) pairs): optimal on 370,
+at worst 14.3% slower (a ratio of 8/7), 0.07% slower on average, the same with step 4 as without (tests/
+test_offload.py checks seeds 0, 1 and 4). These tiny chains never queue copies, so the replay rounds of step 3 and
+the bisection of step 1 do not change those numbers; they matter on long chains with a slow link, as step 4 does
+(bench offload at PCIe 5.0, overhead removed where remat-only costs >= 10%: llama-7b 29% without step 4, 42% with
+it, at 4.56, 8.21, 11.9 GiB 35/37/42% became 39/50/76%; synthetic 9% to 10%; precompute of llama-7b's default grid
+about 7 s before, 7-15 s with it, on two busy cores). Tried and dropped, for no gain on those chains: moving
+prefetches earlier to remove idle waits (there the prefetch channel is busy back to back through the backward, so the
+waits come from the volume offloaded, which the choice of starting schedule already trades against recomputation).
 
 Budgets are answered from a precomputed grid (``grid`` budgets from half the remat-only least budget to the
 store-all peak, denser near the least budget): the answer at ``b`` is the better of the remat-only optimum at ``b``
@@ -45,6 +59,7 @@ and the grid answer at the largest grid budget ``<= b``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -61,6 +76,7 @@ __all__ = ["OffloadSolution", "solve_offload", "fit_by_offload", "default_grid_s
 
 _ROUNDS = 4  # cover-and-replay rounds per candidate before giving up on it
 _NEAR, _RATIO = 8, 1.25  # remat-only schedules tried per budget: the 8 nearest breakpoints above it, then sparser
+_SHARES = (0.25, 0.5, 0.75, 1.0, 1.5)  # volumes of the discounted sets, in what the link moves during one forward
 
 
 def fit_by_offload(chain: Chain, schedule: Schedule, budget: int) -> Schedule | None:
@@ -193,6 +209,85 @@ def _merge(base: list[Op], chosen: list[tuple[int, int, Op, Op]], meta: dict) ->
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# Offload-discounted remat: recomputation chosen knowing which x̄ will live on the host
+# ------------------------------------------------------------------------------------------------------------------
+def _discounted(chain: Chain, remat: Any, slots: int) -> list[tuple[tuple[int, ...], Any]]:
+    """Remat-only solutions of chains in which the x̄_{i+1} of a set S of stages costs only x_{i+1} (it will sit on
+    the host from the next forward to its backward), one per set: S is the prefix, of volume at most
+    ``_SHARES`` times what the link moves during one forward, of the stages ranked by the compute between the two
+    uses of their x̄ (store-all times) per byte, i.e. where a copy hides best."""
+    from .solver import solve
+
+    L, f = chain.length, np.asarray(chain.fwd_time, float)
+    tail = np.append(np.cumsum((f + np.asarray(chain.bwd_time, float))[::-1])[::-1], 0.0)
+    order = sorted((i for i in range(L - 1) if chain.xbar[i] > 0 and tail[i + 2] > 0),
+                   key=lambda i: -tail[i + 2] / chain.xbar[i])
+    out: list[tuple[tuple[int, ...], Any]] = []
+    for share in _SHARES:
+        S, volume = [], 0
+        for i in order:
+            volume += chain.xbar[i]
+            if volume > share * chain.bandwidth * f.sum():
+                break
+            S.append(i)
+        if S and (not out or len(S) > len(out[-1][0])):
+            xbar = list(chain.xbar)
+            for i in S:
+                xbar[i] = chain.x[i + 1]
+            light = dataclasses.replace(chain, xbar=tuple(xbar), bandwidth=None)
+            out.append((tuple(S), solve(light, remat.max_budget, slots)))
+    return out
+
+
+def _with_offloads(chain: Chain, schedule: Schedule, stages: Sequence[int]) -> Schedule:
+    """``schedule`` (remat-only) with x̄_{i+1} of each stage in ``stages`` sent to the host over its longest idle
+    stretch: ``Off(i)`` right after the use before it, ``Pre(i)`` as late as lets it arrive in time, the prefetches
+    placed from the last one back, each finishing before the next one starts (one channel), by the remat-only
+    compute times."""
+    base = [op for op in schedule.ops if not op.is_transfer]
+    dur = np.array([chain.bwd_time[i] if k == "B" else 0.0 if k == "Loss" else chain.fwd_time[i] for k, i in base])
+    end = np.cumsum(dur)
+    start = end - dur
+    gaps = []
+    for (kind, i), lifetimes in _uses(base).items():
+        if kind == "xbar" and i in stages and i < chain.length - 1:
+            for uses in lifetimes:
+                a, b = max(zip(uses, uses[1:]), key=lambda p: start[p[1]] - end[p[0]])
+                if b - a >= 2:
+                    gaps.append((b, a, i))
+    pairs, free = [], math.inf  # free: when the prefetch channel is next needed by a later Pre
+    for b, a, i in sorted(gaps, reverse=True):
+        latest = min(start[b], free) - chain.xbar[i] / chain.bandwidth
+        q = b  # the Pre goes before base op q, so starts when op q - 1 ends
+        while q - 1 > a + 1 and end[q - 1] > latest:
+            q -= 1
+        free = end[q - 1]
+        pairs.append((a + 1, q, Op("Off", i), Op("Pre", i)))
+    return _merge(base, pairs, schedule.meta)
+
+
+def _best_discounted(chain: Chain, discounted: list, budget: int, best_t: float) -> tuple[float, Schedule | None]:
+    """The fastest schedule within ``budget`` among the discounted solutions' breakpoints with their sets offloaded
+    (:func:`_with_offloads`), if faster than ``best_t``: per set, the largest breakpoint that still fits, by
+    bisection (a larger budget stores more, which fits less), among those faster than ``best_t``."""
+    best = None
+    for stages, sol in discounted:
+        front = [b for b, t in sol.frontier() if t < best_t * (1 - 1e-12)]
+        lo, hi = -1, len(front)  # front[lo] fits once offloaded (-1: none tried yet), front[hi] does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2 if lo >= 0 else 0  # the slowest first: when it does not fit, none is tried
+            s = _with_offloads(chain, sol.schedule(front[mid]), stages)
+            trace = simulate(chain, s)
+            if trace.peak_memory > budget:
+                hi = mid
+                continue
+            lo = mid
+            if trace.makespan < best_t:
+                best_t, best = trace.makespan, s
+    return best_t, best
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Public API
 # ------------------------------------------------------------------------------------------------------------------
 class OffloadSolution:
@@ -282,8 +377,8 @@ class OffloadSolution:
 
 
 def default_grid_size(chain: Chain) -> int:
-    """Budgets precomputed by default (each costs a few simulated fits; ~3–10 s in all at L = 12..50 on 2 busy
-    cores)."""
+    """Budgets precomputed by default (each costs a few simulated fits, beside the five discounted DPs of step 4;
+    ~3–15 s in all at L = 12..64 on 2 busy cores)."""
     return 48
 
 
@@ -322,12 +417,13 @@ def remat_refined(chain: Chain, remat: Any, budget: int, n: int = 16) -> tuple[f
     return best_t, best
 
 
-def _best_at(chain: Chain, remat: Any, budget: int) -> tuple[float, Schedule] | None:
+def _best_at(chain: Chain, remat: Any, budget: int, discounted: list = ()) -> tuple[float, Schedule] | None:
     """The fastest simulated offload schedule within ``budget`` found from the candidates, if it beats remat-only.
 
     The sparse candidates (:func:`_candidates`) are tried fastest first; then the breakpoints between the fastest
     one that fitted and the next faster one tried (which did not fit, or fitted slower) are bisected: fitting gets
-    harder as the starting budget grows, so the best start is usually near that boundary."""
+    harder as the starting budget grows, so the best start is usually near that boundary. Then the discounted
+    solutions (``discounted``, from :func:`_discounted`; none: steps 1-3 only) through :func:`_best_discounted`."""
     best_t, best = remat_refined(chain, remat, budget)
     above = [(t, b) for b, t in remat.frontier() if b > budget]  # budgets increasing, makespans decreasing
     tried: dict[int, float] = {}  # index into above -> simulated makespan of its fit (inf: none within budget)
@@ -362,6 +458,9 @@ def _best_at(chain: Chain, remat: Any, budget: int) -> tuple[float, Schedule] | 
                 lo = mid
             else:
                 hi = mid
+    t, found = _best_discounted(chain, discounted, budget, best_t)
+    if found is not None:
+        best_t, best = t, found
     if best is not None and best.n_transfers == 0:  # a remat-only schedule: report its simulated time
         best_t = simulate(chain, best).makespan
     if best is None:
@@ -375,7 +474,7 @@ def solve_offload(chain: Chain, max_budget: int | str | None = None, slots: int 
 
     ``chain.bandwidth`` must be set (``chain.with_bandwidth("pcie5")``). ``grid``: how many budgets to precompute
     (see :func:`_grid`; each costs a few fits, ~0.1-0.5 s at L = 50; default 48), or the budgets themselves
-    (bytes).
+    (bytes). Besides, up to five remat-only DPs of discounted chains (step 4; ~1 s each at L = 64).
     ``remat``: a remat-only Solution of this chain to build on (default: ``solve(chain, max_budget, slots)``).
     """
     from .solver import _check_chain, solve
@@ -396,5 +495,6 @@ def solve_offload(chain: Chain, max_budget: int | str | None = None, slots: int 
     else:
         raise HChainError(f"grid must be an integer >= 2 (how many budgets to precompute) or a list of budgets in "
                           f"bytes, got {grid!r}")
-    answers = [_best_at(chain, remat, b) for b in budgets]
+    discounted = _discounted(chain, remat, slots)
+    answers = [_best_at(chain, remat, b, discounted) for b in budgets]
     return OffloadSolution(chain, remat, budgets, answers)
