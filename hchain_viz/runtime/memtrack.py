@@ -75,6 +75,22 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def copy_with_layout(t: torch.Tensor, copies: dict[int, tuple]) -> torch.Tensor:
+    """A detached copy of ``t`` with its sizes, strides and storage offset, in a copy of its whole storage.
+
+    Tensors copied with the same ``copies`` dict that share a storage (q, k and v split from one projection) share one
+    copy of it, as views again: what an op allocates for strided views (a matmul's contiguous copies) and whether an
+    output aliases an input come out as with the originals. Without a plain storage: a plain clone."""
+    st = storage_of(t)
+    if st is None:
+        return t.detach().clone()
+    key = id(st)
+    if key not in copies:
+        copies[key] = (st, st.clone())  # keeps ``st`` alive, so its id is not reused while the dict is
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(copies[key][1], t.storage_offset(), t.size(),
+                                                                t.stride())
+
+
 def storages(obj: Any) -> dict[int, torch.UntypedStorage]:
     """The distinct storages behind the tensors in ``obj``, keyed by ``id`` (a view shares its base's storage)."""
     out = {}

@@ -47,7 +47,16 @@ from .measure import (
     to_device,
     user_code,
 )
-from .memtrack import AllocationLog, MemoryMeter, map_tensors, nbytes, storage_of, storages, tensors
+from .memtrack import (
+    AllocationLog,
+    MemoryMeter,
+    copy_with_layout,
+    map_tensors,
+    nbytes,
+    storage_of,
+    storages,
+    tensors,
+)
 from .progress import progress_bar
 from .stages import sequentialize
 
@@ -205,9 +214,17 @@ class _StageProfile:
         self.in_bytes = nbytes(h)
 
     def _input(self) -> Any:
-        """A copy of the input, as a stage inside the chain receives it: a non-leaf when it requires grad, so
-        in-place first ops are legal and the input gradient flows back to ``self.h``."""
-        return map_tensors(self.h, lambda t: t.clone() if t.requires_grad else t.detach().clone())
+        """A copy of the input, as a stage inside the chain receives it: laid out as in the chain (views of one
+        storage stay views of one copy, with their strides: a contiguous clone of each would hide the copies that
+        ops make of strided views, and what they save of them), and a non-leaf when it requires grad, so in-place
+        first ops are legal and the input gradient flows back to ``self.h``."""
+        copies: dict[int, tuple] = {}
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            new = copy_with_layout(t, copies)
+            return _GradInto.apply(t, new) if t.requires_grad else new
+
+        return map_tensors(self.h, one)
 
     def _forward(self, inp: Any) -> Any:
         with user_code(lambda e: f"stage {self.name!r} failed on its input {_shapes(inp)}: {type(e).__name__}: {e}"):
@@ -266,11 +283,18 @@ class _StageProfile:
         ins = {(t.untyped_storage().data_ptr(), t.data_ptr(), t.shape): j for j, t in enumerate(tensors(inp))}
         self.passed_on = {k: ins[key] for k, t in enumerate(tensors(out))
                           if (key := (t.untyped_storage().data_ptr(), t.data_ptr(), t.shape)) in ins}
+        # What of the output the forward did not allocate: the tensors handed on (shared, charged once; DESIGN §8).
+        self.passed_bytes = nbytes([tensors(out)[k] for k in self.passed_on])
         self.next_input = _leaves(out)
         diff = [t for t in tensors(out) if t.requires_grad]
+        self.loss_tmp = 0
         if self.loss_fn is not None:
-            loss = loss_of(self.loss_fn, out)  # raises when nothing requires grad
-            grads = torch.autograd.grad(loss, diff, allow_unused=True) if diff else ()
+            # The loss is the caller's, but its memory is on the device between the last forward and B(L-1): what
+            # it saves (a log-softmax over the vocabulary) and its backward's transients, beside δ_L.
+            with MemoryMeter(self.dev) as meter:
+                loss = loss_of(self.loss_fn, out)  # raises when nothing requires grad
+                grads = torch.autograd.grad(loss, diff, allow_unused=True) if diff else ()
+            self.loss_tmp = max(0, meter.peak - nbytes([g for g in grads if g is not None]))
             self.grads = [torch.zeros_like(t) if g is None else g.detach() for g, t in zip(grads, diff)]
         else:
             self.grads = [torch.ones_like(t) for t in diff]
@@ -316,11 +340,27 @@ class _StageProfile:
             del out
         del inp
         nograd_peak = meter.peak
-        self.fwd_tmp = max(0, fwd_peak - self.xbar, nograd_peak - self.out_bytes)
-        self.bwd_tmp = max(0, bwd_peak - self.in_bytes)
+        # Transients above what the forward leaves that it allocated itself (x̄ less the tensors handed on: the
+        # simulator charges those once, as part of the input).
+        fresh = self.passed_bytes
+        self.fwd_tmp = max(0, fwd_peak - (self.xbar - fresh), nograd_peak - (self.out_bytes - fresh))
+        # The last stage's backward runs right after the loss's: its transient covers the loss's (see _probe).
+        self.bwd_tmp = max(0, bwd_peak - self.in_bytes, self.loss_tmp)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+class _GradInto(torch.autograd.Function):
+    """``copy`` (of ``src``, same shape) as a non-leaf whose gradient goes to ``src``."""
+
+    @staticmethod
+    def forward(ctx: Any, src: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        return copy.detach()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g, None
+
+
 def _groups(stages: list[tuple[str, nn.Module]]) -> list[tuple[str, int, int]]:
     """Runs of consecutive stages that graph extraction put in the same block: ``(block, first, last)``."""
     out: list[tuple[str, int, int]] = []
