@@ -7,7 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from hchain_viz.errors import NotSequentialError  # noqa: E402
+from hchain_viz.errors import HChainError, NotSequentialError  # noqa: E402
+from hchain_viz.runtime.compiled import compile_options  # noqa: E402
 from hchain_viz.runtime.measure import measure  # noqa: E402
 from hchain_viz.runtime.memtrack import AllocationTracker  # noqa: E402
 from hchain_viz.runtime.profile import profile  # noqa: E402
@@ -230,3 +231,39 @@ def test_profile_compiled_stages_predicts_the_compiled_schedule():
         predicted = simulate(chain, schedule).peak_memory
         measured = measure(wrap(model, schedule, compile=options), x, repeats=1).peak_bytes
         assert 0.9 <= measured / predicted <= 1.0, (schedule, measured, predicted)
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return torch.tanh(self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+def test_per_stage_activation_memory_budget_shrinks_what_compiled_stages_save():
+    """compile={"activation_memory_budget": b}: each stage's graph is partitioned under b; the chain sees what the
+    graphs then save, and the schedule's peak stays predicted."""
+    from hchain_viz.core import strategies
+    from hchain_viz.core.simulate import simulate
+    from hchain_viz.runtime.wrap import wrap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Mlp(), _Mlp())  # two stages, each a graph of several ops
+    x = torch.randn(128, 64)
+    full = profile(model, x, compile=True, warmup=0, repeats=1, progress=False)
+    lean_options = {"activation_memory_budget": 0.0}
+    lean = profile(model, x, compile=lean_options, warmup=0, repeats=1, progress=False)
+    assert "activation_memory_budget=0.0" in lean.meta["compile"]
+    assert sum(lean.xbar) < sum(full.xbar)
+    schedule = strategies.store_all(lean)
+    measured = measure(wrap(model, schedule, compile=lean_options), x, repeats=1).peak_bytes
+    assert 0.9 <= measured / simulate(lean, schedule).peak_memory <= 1.0
+
+
+@pytest.mark.parametrize("bad", [{"activation_memory_budget": 1.5}, {"activation_memory_budget": "low"},
+                                 {"activation_memory_budget": 0.5, "backend": "aot_eager"}])
+def test_bad_activation_memory_budget_is_an_hchain_error(bad):
+    with pytest.raises(HChainError, match="activation_memory_budget"):
+        compile_options(bad)

@@ -53,6 +53,9 @@ def run(args: list[str]) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave as is)")
     parser.add_argument("--budgets", default="1.0,0.7,0.5,0.3,0.1,0.0", help="activation_memory_budget values")
     parser.add_argument("--small", action="store_true", help="tiny models, 2 rounds (a quick check)")
+    parser.add_argument("--stage-budgets", default=None, metavar="B,B,...",
+                        help="instead: per-stage partitioner budgets (compile={'activation_memory_budget': b}), each "
+                             "profiled: what the compiled stages save and their times")
     opts = parser.parse_args(args)
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -64,6 +67,11 @@ def run(args: list[str]) -> None:
     print(f"compile benchmark: torch {torch.__version__}, cpu, {torch.get_num_threads()} thread(s), median of {rounds} "
           f"interleaved rounds (spread: max-min over rounds / median); peaks measured by hchain_viz.measure "
           f"(allocator log: activations + input); the machine may be shared")
+    if opts.stage_budgets:
+        for name in [n.strip() for n in opts.models.split(",")]:
+            _stage_budgets(name, (SMALL if opts.small else SIZES).get(name, {}),
+                           [float(b) for b in opts.stage_budgets.split(",")])
+        return
     summary = []
     for name in [n.strip() for n in opts.models.split(",")]:
         summary.append(_one_model(name, (SMALL if opts.small else SIZES).get(name, {}), budgets, rounds))
@@ -76,7 +84,7 @@ def _one_model(name: str, sizes: dict, budgets: list[float], rounds: int) -> str
     from ..core.solver import solve
     from ..core.units import format_bytes, format_time
     from ..runtime import models
-    from ..runtime.compiled import compile_options, compile_stage
+    from ..runtime.compiled import budget_backend, compile_options, compile_stage
     from ..runtime.measure import measure
     from ..runtime.profile import profile
     from ..runtime.stages import sequentialize
@@ -85,7 +93,7 @@ def _one_model(name: str, sizes: dict, budgets: list[float], rounds: int) -> str
     model, x, loss_fn = models.demo_model(name, **sizes)
     t0 = time.perf_counter()
     # torch.compile at each budget
-    compiled = {b: torch.compile(model, backend=_budget_backend(b)) for b in budgets}
+    compiled = {b: torch.compile(model, backend=budget_backend(b)) for b in budgets}
     c_peak = {b: measure(m, x, loss_fn, repeats=1).peak_bytes for b, m in compiled.items()}
     # compiled stages and eager, profiled and solved
     options = compile_options(True)
@@ -161,16 +169,21 @@ def _one_model(name: str, sizes: dict, budgets: list[float], rounds: int) -> str
             f"{len(speedups)} points); measured/predicted peak {min(ratios):.3f}..{max(ratios):.3f}")
 
 
-def _budget_backend(budget: float) -> Any:
-    """Inductor with ``activation_memory_budget`` set while this graph is partitioned (AOTAutograd partitions at
-    compile time, so each compiled graph keeps its own budget)."""
-    from torch._inductor.compile_fx import compile_fx
+def _stage_budgets(name: str, sizes: dict, budgets: list[float]) -> None:
+    """Per-stage variants, measured: the compiled stages profiled with each stage's graph partitioned under each
+    budget; what they save (x̄) and their forward and backward times, against budget 1.0."""
+    from ..core.units import format_bytes, format_time
+    from ..runtime import models
+    from ..runtime.profile import profile
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        with torch._functorch.config.patch(activation_memory_budget=budget):
-            return compile_fx(gm, example_inputs)
-
-    return backend
+    model, x, loss_fn = models.demo_model(name, **sizes)
+    chains = {b: profile(model, x, loss_fn, compile={"activation_memory_budget": b}, repeats=7, progress=False)
+              for b in budgets}
+    ref = chains[budgets[0]]
+    print(f"\n{name} {sizes}: {ref.length} compiled stages, each partitioned under a stage budget")
+    rows = [(f"{b:g}", format_bytes(sum(c.xbar)), format_time(sum(c.fwd_time)), format_time(sum(c.bwd_time)),
+             " ".join(f"{a / z:.2f}" if z else "-" for a, z in zip(c.xbar, ref.xbar))) for b, c in chains.items()]
+    print_table(("stage budget", "sum of x̄", "forward", "backward", f"x̄ per stage / at {budgets[0]:g}"), rows)
 
 
 class _Chained(nn.Module):
