@@ -342,8 +342,8 @@ class _StageProfile:
         nograd_peak = meter.peak
         # Transients above what the forward leaves that it allocated itself (x̄ less the tensors handed on: the
         # simulator charges those once, as part of the input).
-        fresh = self.passed_bytes
-        self.fwd_tmp = max(0, fwd_peak - (self.xbar - fresh), nograd_peak - (self.out_bytes - fresh))
+        passed = self.passed_bytes
+        self.fwd_tmp = max(0, fwd_peak - (self.xbar - passed), nograd_peak - (self.out_bytes - passed))
         # The last stage's backward runs right after the loss's: its transient covers the loss's (see _probe).
         self.bwd_tmp = max(0, bwd_peak - self.in_bytes, self.loss_tmp)
 
