@@ -36,8 +36,8 @@ INF = math.inf
 class State(NamedTuple):
     """What the memory model needs to know to judge the next op.
 
-    ``res``: frozenset of resident items ``(kind, stage, bytes)`` with kinds ``x``, ``xbar``, ``out``, ``delta``
-    (as in ``simulate``); ``loss_done``; ``bwd_done``: frozenset of stages whose backward has run.
+    ``res``: frozenset of resident items ``(kind, stage, bytes)`` with kinds ``x``, ``xbar``, ``out``, ``delta``,
+    ``transit`` (as in ``simulate``: the part of x_b no backward needs, beside the value holding x_b, until Fall(b)); ``loss_done``; ``bwd_done``: frozenset of stages whose backward has run.
     """
 
     res: frozenset
@@ -92,6 +92,22 @@ def _size(state: State, kind: str, stage: int) -> int:
     return next(size for k, s, size in state.res if k == kind and s == stage)
 
 
+def _without(res: set, state: State, kind: str, stage: int) -> None:
+    """Free the value (kind, stage) from ``res``, with the unconsumed transit part of the x_b it holds."""
+    res.discard((kind, stage, _size(state, kind, stage)))
+    b = stage + 1 if kind == "xbar" else stage
+    if _has(state, "transit", b):
+        res.discard(("transit", b, _size(state, "transit", b)))
+
+
+def _with_transit(chain: Chain, item: tuple) -> list[tuple]:
+    """A new value holding x_b, its transit part split off as an item of its own."""
+    kind, stage, size = item
+    b = stage + 1 if kind == "xbar" else stage
+    t = chain.transit[b]
+    return [(kind, stage, size - t), ("transit", b, t)] if t else [item]
+
+
 def _input_ok(state: State, i: int) -> bool:
     return _has(state, "x", i) or (i > 0 and _has(state, "xbar", i - 1))
 
@@ -120,10 +136,10 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
             return None
         peak = mem + x[i] + chain.bwd_tmp[i]
         res.discard(("delta", i + 1, _size(state, "delta", i + 1)))
-        res.discard(("xbar", i, _size(state, "xbar", i)))
+        _without(res, state, "xbar", i)
         groups = _release(groups, ("xbar", i))
         if i > 0 and _has(state, "x", i):
-            res.discard(("x", i, x[i]))
+            _without(res, state, "x", i)
             groups = _release(groups, ("x", i))
         res.add(("delta", i, x[i]))
         nxt = State(frozenset(res), True, state.bwd_done | {i}, state.kept - {i}, groups)
@@ -138,7 +154,7 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
         if i == L - 1 and not _has(state, "out", L):
             new = [("out", L, x[L]), ("xbar", i, xbar[i] - x[L])]  # this x̄ item holds no shared tensor
         else:
-            new = [("xbar", i, xbar[i])]
+            new = _with_transit(chain, ("xbar", i, xbar[i]))
     else:
         if i + 1 in state.bwd_done:
             return None
@@ -147,7 +163,7 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
                 return None
             new = [("out", L, x[L])]
         else:
-            new = [("x", i + 1, x[i + 1])]
+            new = _with_transit(chain, ("x", i + 1, x[i + 1]))
     holder = new[0][:2]  # the value that holds the output x_{i+1}
     groups = _hold(chain, groups, holder, i + 1, source)
     res.update(new)
@@ -156,8 +172,10 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
     if kind == "Fn":
         if i == 0 or not _has(state, "x", i) or (i in state.kept and not relaxed):
             return None
-        res.discard(("x", i, x[i]))
+        _without(res, state, "x", i)
         groups = _release(groups, ("x", i))
+    if kind == "Fall" and _has(state, "transit", i):  # consumed: neither B(i-1) nor B(i) needs it
+        res.discard(("transit", i, _size(state, "transit", i)))
     kept = state.kept | {i} if kind == "Fck" else state.kept
     return State(frozenset(res), state.loss_done, state.bwd_done, kept, groups), peak, chain.fwd_time[i]
 
@@ -313,6 +331,7 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
     xbar = [up(chain.xbar[i] - common(i, i + 1)) for i in range(L)]  # x̄_{i+1} beside x_i
     ftmp = [up(v) for v in chain.fwd_tmp]
     btmp = [up(v) for v in chain.bwd_tmp]
+    tr = [min(v * S // max_budget, x[i]) for i, v in enumerate(chain.transit)]  # freed by Fall(i): rounded down
     fwd, bwd = chain.fwd_time, chain.bwd_time
     C: dict = {}
     Cch: dict = {}
@@ -332,44 +351,50 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
         """The first forward of each stage i..end-1 holds its input and output beside x_i: their parts not in x_i."""
         return max([xs[(i, i + 1)] + ftmp[i]] + [xs[(i, k)] + xs[(k, k + 1)] + ftmp[k] for k in range(i + 1, end)])
 
-    for m in range(S + 1):
-        for span in range(L):
-            for i in range(L - span):
-                l = i + span  # noqa: E741
-                need_b = x[i] + x[i + 1] + xbar[i] + btmp[i]
+    # Spans outermost, m innermost: the chain option reads its sub-chain at m - (xbar[i] - tr[i]), which is above m
+    # when Fall(i) frees more transit bytes than it leaves (read at most at S: rows never increase with m).
+    for span in range(L):
+        for i in range(L - span):
+            l = i + span  # noqa: E741
+            need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] - tr[i]
+            shift = xbar[i] - tr[i]
+            for m in range(S + 1):
                 best, choice = INF, -1
                 if i == l:
                     if m >= x[i + 1] + xbar[i] + ftmp[i] and m >= need_b:
                         best, choice = fwd[i] + bwd[i], 0
-                elif m >= x[l + 1] + sweep_peak(i, l):
+                else:
                     via_chain = INF
-                    if m >= x[l + 1] + xbar[i] + ftmp[i] and m >= need_b and m >= xbar[i]:
-                        via_chain = fwd[i] + bwd[i] + C[(m - xbar[i], i + 1, l)]
-                    leaves = [sum(fwd[i:j]) + C[(m - xs[(i, j)], j, l)] + C[(m, i, j - 1)] if m >= xs[(i, j)]
-                              else INF for j in range(i + 1, l + 1)]
+                    # by B(i), the sub-chain's Fall(i+1) has freed the transit part of x_{i+1}
+                    if m >= x[l + 1] + xbar[i] + ftmp[i] and m >= need_b - tr[i + 1] and m >= shift:
+                        via_chain = fwd[i] + bwd[i] + C[(min(m - shift, S), i + 1, l)]
+                    # a leaf's guard: Fck(i) Fn(i+1..j-1) run with x_i whole and δ_{l+1} resident
+                    leaves = [sum(fwd[i:j]) + C[(m - xs[(i, j)], j, l)] + C[(m, i, j - 1)]
+                              if m >= xs[(i, j)] and m >= x[l + 1] + sweep_peak(i, j) else INF
+                              for j in range(i + 1, l + 1)]
                     best, choice = pick(via_chain, leaves, i)
                 C[(m, i, l)], Cch[(m, i, l)] = best, choice
+    for m in range(S + 1):
         D[(m, L)], Dch[(m, L)] = (0.0, 0) if m >= x[L] else (INF, -1)
-        for i in range(L - 1, -1, -1):
-            best, choice = INF, -1
-            if m >= sweep_peak(i, L):
-                held = xs[(i, L)]  # the output held by the caller, beside x_i (once the left part runs)
-                # during B(i) of the chain option the output's source x_{i+1} is resident too (inside x̄_{i+1})
-                need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[(i + 1, L)])
-                via_chain = INF
-                if m >= xbar[i] + ftmp[i] and m >= need_b:
-                    via_chain = fwd[i] + bwd[i] + D[(m - xbar[i], i + 1)]
-                leaves = [sum(fwd[i:j]) + D[(m - xs[(i, j)], j)] + C[(m - held, i, j - 1)]
-                          if m >= xs[(i, j)] and m >= held else INF for j in range(i + 1, L + 1)]
-                best, choice = pick(via_chain, leaves, i)
-            D[(m, i)], Dch[(m, i)] = best, choice
-    sizes = {"x": x, "xs": xs, "xbar": xbar, "fwd_tmp": ftmp, "bwd_tmp": btmp}
+    for i in range(L - 1, -1, -1):
+        held = xs[(i, L)]  # the output held by the caller, beside x_i (once the left part runs)
+        # during B(i) of the chain option the output's source x_{i+1} is resident too (inside x̄_{i+1})
+        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[(i + 1, L)]) - tr[i] - tr[i + 1]
+        shift = xbar[i] - tr[i]
+        for m in range(S + 1):
+            via_chain = INF
+            if m >= xbar[i] + ftmp[i] and m >= need_b and m >= shift:
+                via_chain = fwd[i] + bwd[i] + D[(min(m - shift, S), i + 1)]
+            leaves = [sum(fwd[i:j]) + D[(m - xs[(i, j)], j)] + C[(m - held, i, j - 1)]
+                      if m >= xs[(i, j)] and m >= held and m >= sweep_peak(i, j) else INF for j in range(i + 1, L + 1)]
+            D[(m, i)], Dch[(m, i)] = pick(via_chain, leaves, i)
+    sizes = {"x": x, "xs": xs, "xbar": xbar, "tr": tr, "fwd_tmp": ftmp, "bwd_tmp": btmp}
     return Twin(C, Cch, D, Dch, sizes, S, up(chain.x[0]))
 
 
 def twin_schedule(twin: Twin, L: int, s: int) -> Schedule:
     """Rebuild the op list for a budget of ``s`` slots by recursion over the twin's choices."""
-    xs, xbar = twin.sizes["xs"], twin.sizes["xbar"]
+    xs, xbar, tr = twin.sizes["xs"], twin.sizes["xbar"], twin.sizes["tr"]
     ops: list[Op] = []
 
     def sweep(i: int, j: int) -> None:
@@ -382,7 +407,7 @@ def twin_schedule(twin: Twin, L: int, s: int) -> Schedule:
         if j == 0:
             ops.append(Op("Fall", i))
             if i < l:
-                c(m - xbar[i], i + 1, l)
+                c(min(m - xbar[i] + tr[i], twin.S), i + 1, l)
             ops.append(Op("B", i))
         else:
             sweep(i, j)
@@ -397,7 +422,7 @@ def twin_schedule(twin: Twin, L: int, s: int) -> Schedule:
         assert j >= 0, (m, i)
         if j == 0:
             ops.append(Op("Fall", i))
-            d(m - xbar[i], i + 1)
+            d(min(m - xbar[i] + tr[i], twin.S), i + 1)
             ops.append(Op("B", i))
         else:
             sweep(i, j)

@@ -69,6 +69,33 @@ def shared_int_chains(draw, max_len: int = 5) -> hcv.Chain:
     return _with_shared(chain, shared)
 
 
+@st.composite
+def transit_int_chains(draw, max_len: int = 5) -> hcv.Chain:
+    """:func:`small_int_chains` or :func:`shared_int_chains` with transit bytes (the part of x_i that Fall(i)
+    frees) at some inner cuts, up to all that no shared tensor holds there."""
+    chain = draw(st.one_of(small_int_chains(max_len=max_len, max_size=4), shared_int_chains(max_len=max_len)))
+    return with_transit(chain, [0] + [draw(st.integers(0, room)) for room in _transit_room(chain)] + [0])
+
+
+def _transit_room(chain: hcv.Chain) -> list[int]:
+    return [chain.x[i] - sum(b for f, la, b in chain.shared if f <= i <= la) for i in range(1, chain.length)]
+
+
+def with_transit(chain: hcv.Chain, transit) -> hcv.Chain:
+    d = chain.to_dict()
+    d["transit"] = [int(t) for t in transit]
+    return hcv.Chain.from_dict(d)
+
+
+def random_transit_chain(seed: int, max_len: int = 5) -> hcv.Chain:
+    """A small integer chain (with shared tensors on odd seeds) whose inner cuts carry transit bytes, often all
+    of what they may (so Fall sometimes frees more than it leaves)."""
+    chain = random_shared_chain(seed, max_len) if seed % 2 else random_int_chain(seed, max_len, zeros=False)
+    rng = np.random.default_rng(seed + 1000)
+    room = _transit_room(chain)
+    return with_transit(chain, [0] + [r if rng.random() < 0.4 else int(rng.integers(0, r + 1)) for r in room] + [0])
+
+
 def _with_shared(chain: hcv.Chain, shared) -> hcv.Chain:
     d = chain.to_dict()
     d["shared"] = shared
@@ -108,7 +135,7 @@ def exact(chain: hcv.Chain) -> solver.Solution:
 
 # ---------------------------------------------------------------------------------------------------- the oracle itself
 @settings(max_examples=40, deadline=None)
-@given(st.one_of(small_int_chains(), shared_int_chains()), st.integers(0, 2**32 - 1))
+@given(st.one_of(small_int_chains(), shared_int_chains(), transit_int_chains()), st.integers(0, 2**32 - 1))
 def test_brute_force_step_agrees_with_simulate(chain, seed):
     """Random walks: the oracle accepts an op exactly when simulate does, with the same memory numbers (also with
     shared tensors, which the two track differently: instances there, groups of holders here)."""
@@ -188,6 +215,34 @@ def test_optimum_equals_brute_force_with_shared_tensors_seeded(seed):
     assert solver.least_budget(chain) == oracles.brute_min_budget(chain)
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(transit_int_chains(max_len=4))
+def test_optimum_equals_brute_force_with_transit(chain):
+    """DESIGN §3 as amended: the part of x_i that no backward needs goes after Fall(i); the DP is still exact."""
+    _check_against_brute_force(chain)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_optimum_equals_brute_force_with_transit_seeded(seed):
+    chain = random_transit_chain(seed, max_len=4 + seed % 2)
+    _check_against_brute_force(chain)
+    assert solver.least_budget(chain) == oracles.brute_min_budget(chain)
+
+
+def test_transit_lowers_the_optimum():
+    """Stage 1's input has 3 bytes no backward needs (say, q and k that an attention product copies before saving
+    them): freed after Fall(1), they leave room to keep everything at a budget where the same chain without transit
+    must recompute."""
+    d = dict(fwd_time=[1.0, 1.0, 1.0], bwd_time=[2.0, 2.0, 2.0], x=[1, 4, 2, 1], xbar=[5, 4, 2], fwd_tmp=[0, 0, 0],
+             bwd_tmp=[0, 0, 0])
+    plain, transit = hcv.Chain(**d), hcv.Chain(**d, transit=[0, 3, 0, 0])
+    store_all = [hcv.simulate(c, hcv.strategies.store_all(c)).peak_memory for c in (plain, transit)]
+    assert store_all[1] == store_all[0] - 3
+    budget = store_all[1]
+    assert exact(transit).makespan(budget) == transit.store_all_time < exact(plain).makespan(budget)
+    assert exact(transit).makespan(budget) == oracles.brute_force(transit, budget)[0]
+
+
 def test_shared_tensor_lowers_the_optimum():
     """The held output shares a tensor with x_2: counting it once makes budget 21 feasible (22 when counted
     twice), and the DP finds the schedule the exhaustive search finds (a case the first §8 draft missed)."""
@@ -253,6 +308,12 @@ def test_kernel_equals_twin_with_shared_tensors(chain, slots):
     _check_twin(chain, max(solver.store_all_peak(chain), 1), slots)
 
 
+@settings(max_examples=30, deadline=None)
+@given(transit_int_chains(max_len=7), st.integers(5, 60))
+def test_kernel_equals_twin_with_transit(chain, slots):
+    _check_twin(chain, max(solver.store_all_peak(chain), 1), slots)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_kernel_equals_twin_random_chains(seed):
     """Longer real-valued chains cross the kernel's blocks of stages (16) and tiles of l (16), up to twice."""
@@ -268,7 +329,7 @@ def _tables(chain: hcv.Chain, slots: int, threads: int) -> tuple[np.ndarray, ...
     rows = L * (L + 1) // 2
     C, Cch = np.empty((rows, slots + 1)), np.empty((rows, slots + 1), np.int16)
     D, Dch = np.empty((L + 1, slots + 1)), np.empty((L + 1, slots + 1), np.int16)
-    solver._kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["fwd_tmp"], sizes["bwd_tmp"],
+    solver._kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["fwd_tmp"], sizes["bwd_tmp"],
                               arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, threads)
     return C, Cch, D, Dch
 
@@ -407,7 +468,7 @@ def test_tie_rule_prefers_no_recomputation():
     sol = exact(chain)
     out = np.empty((64, 2), np.int32)
     sz = sol._sizes
-    n = solver._kernels()["rebuild"](sz["xs"], sz["xbar"], sol._Cch, sol._Dch, sol.slots - int(sz["x"][0]), out)
+    n = solver._kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], sol._Cch, sol._Dch, sol.slots - int(sz["x"][0]), out)
     ops = tuple(Op(solver._KINDS[k], int(i)) for k, i in out[:n])
     assert ops == store_all(chain).ops
 

@@ -119,8 +119,11 @@ def at_batch(chain: Chain, batch: int) -> Chain:
     shared = chain.shared
     if "shared" in v:  # a shared tensor is part of every x it crosses: never larger than the smallest of them
         shared = tuple((f, la, min(_whole(s), *x[f:la + 1])) for (f, la, _), s in zip(chain.shared, v["shared"]))
+    # Transit bytes are a part of x[i]: the same share of it at every batch size (rounded down: they are freed).
+    transit = [t * x[i] // chain.x[i] if chain.x[i] else 0 for i, t in enumerate(chain.transit)]
+    transit = [min(t, x[i] - sum(s for f, la, s in shared if f <= i <= la)) for i, t in enumerate(transit)]
     return replace(chain, fwd_time=v["fwd_time"], bwd_time=v["bwd_time"], x=x, xbar=xbar, shared=shared,
-                   fwd_tmp=[_whole(s) for s in v["fwd_tmp"]], bwd_tmp=[_whole(s) for s in v["bwd_tmp"]],
+                   transit=[max(0, t) for t in transit], fwd_tmp=[_whole(s) for s in v["fwd_tmp"]], bwd_tmp=[_whole(s) for s in v["bwd_tmp"]],
                    batch_fit=replace(chain.batch_fit, batch=b))
 
 

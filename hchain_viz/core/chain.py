@@ -85,6 +85,10 @@ class Chain:
       ``0 <= first < last <= L``: one tensor of ``bytes`` that is part of every boundary value ``x[first..last]``
       (the residual stream inside a layer, an attention mask). Each of those ``x[i]`` (and the ``xbar`` that contain
       them) counts its bytes; the simulator counts it once however many resident values hold it.
+    - ``transit[i]`` (length L+1, ``transit[0] == transit[L] == 0``): bytes of x_i that no backward needs — made by
+      stage i-1, saved by neither B(i-1) nor B(i), not handed on to x_{i+1} (the pre-softmax scores, the q and k
+      that an attention product copies before it saves them). They are freed once ``Fall(i)`` has consumed them,
+      wherever x_i is held, as eager autograd frees them (DESIGN §3, amended: see ``simulate``). Default: zeros.
     """
 
     fwd_time: tuple[float, ...]
@@ -99,6 +103,7 @@ class Chain:
     groups: tuple[tuple[str, int, int], ...] = ()
     tags: tuple[str, ...] = None  # type: ignore[assignment]  # default: "" for every stage
     shared: tuple[tuple[int, int, int], ...] = ()
+    transit: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
     fixed: FixedMemory | None = None
     batch_fit: BatchFit | None = None
 
@@ -135,6 +140,7 @@ class Chain:
         set_(self, "groups", _groups(self.groups, L))
         set_(self, "tags", _tags(self.tags, L))
         set_(self, "shared", _shared(self.shared, self.x))
+        set_(self, "transit", _transit(self.transit, self.x, self.shared, names))
         if self.fixed is not None:
             if not isinstance(self.fixed, FixedMemory):
                 raise InvalidChain(f"fixed must be a FixedMemory (or None), got {type(self.fixed).__name__}")
@@ -226,6 +232,8 @@ class Chain:
             d["tags"] = list(self.tags)
         if self.shared:
             d["shared"] = [list(t) for t in self.shared]
+        if any(self.transit):
+            d["transit"] = list(self.transit)
         if self.meta:
             d["meta"] = self.meta
         if self.fixed is not None:
@@ -251,7 +259,7 @@ class Chain:
             fixed=None if d.get("fixed") is None else FixedMemory.from_dict(d["fixed"]),
             batch_fit=None if d.get("batch_fit") is None else BatchFit.from_dict(d["batch_fit"]),
             bandwidth=d.get("bandwidth"),
-            groups=d.get("groups", ()), tags=d.get("tags"), shared=d.get("shared", ()),
+            groups=d.get("groups", ()), tags=d.get("tags"), shared=d.get("shared", ()), transit=d.get("transit"),
         )
 
     @classmethod
@@ -480,6 +488,24 @@ def _shared(shared: Any, x: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]
             raise InvalidChain(f"the shared tensors crossing boundary {i} hold {inside} bytes in all, more than "
                                f"x[{i}] = {x[i]}; each must be a distinct part of every x[i] it crosses")
     return tuple(out)
+
+
+def _transit(transit: Any, x: tuple[int, ...], shared: tuple[tuple[int, int, int], ...],
+             names: tuple[str, ...]) -> tuple[int, ...]:
+    L = len(x) - 1
+    if transit is None:
+        return (0,) * (L + 1)
+    out = _ints(transit, "transit", L + 1)
+    if out[0] or out[L]:
+        raise InvalidChain("transit[0] and transit[L] must be 0: the caller holds the input x_0 and the output x_L "
+                           f"for the whole step; got {out[0]} and {out[L]}")
+    for i in range(1, L):
+        held = x[i] - sum(size for first, last, size in shared if first <= i <= last)
+        if out[i] > held:
+            raise InvalidChain(f"transit[{i}] = {out[i]} is more than the {held} bytes of x[{i}] that no shared tensor "
+                               f"holds (the output of stage {names[i - 1]!r}); transit bytes are a part of x[i] that "
+                               f"stage {i - 1} made and stage {i} does not hand on")
+    return out
 
 
 def _length_of(v: Any, name: str) -> int:

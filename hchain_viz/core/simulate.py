@@ -13,6 +13,11 @@ Resident items (``Item.kind``):
   first forward of stage L-1 is a ``Fall``, the output lives inside x̄_L, so that ``xbar`` item carries only
   ``xbar[L-1] - x[L]`` bytes beside it; a recomputed ``Fall(L-1)`` holds a full second copy.
 - ``"delta"``: a gradient δ_i (``x[i]`` bytes); δ_L is created by the loss.
+- ``"transit"``: the part of x_i that no backward needs (``chain.transit[i]`` bytes: made by stage i-1, saved by
+  neither B(i-1) nor B(i), not handed on). It comes with the value that holds x_i (a plain ``x``, or the ``xbar`` of
+  stage i-1, which carry it less) and goes after ``Fall(i)``, the last forward of stage i before B(i) (no forward of i
+  can run between them), or with its holder if that goes first. Schedules with transfers keep it with its holder
+  (the executor moves whole values), so they are charged as before.
 - ``"shared"``: one copy of a tensor that several cuts share (``chain.shared``, DESIGN §8: the residual stream inside
   a layer), ``stage`` = the first cut that holds it. It is resident while any value above holds it, and those values
   leave its bytes out of their own size, so it is counted once. A forward passes its input's copy on to its output; a
@@ -237,6 +242,15 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
     backward_done: set[int] = set()
     events = []
     link = _Link(chain, res, spans, opened, kept)  # the transfer channels (DESIGN §9); idle unless Off/Pre appear
+    transit = chain.transit if not schedule.n_transfers else (0,) * (L + 1)
+
+    def held(new: list[tuple[tuple, int]], boundary: int) -> list[tuple[tuple, int]]:
+        """The items of a new value holding x[boundary] (its own item first), its transit part split off."""
+        t = transit[boundary]
+        if not t:
+            return new
+        (key, size), *rest = new
+        return [(key, size - t), (("transit", boundary), t), *rest]
 
     def add(key: tuple, size: int, k: int) -> None:
         res[key] = size
@@ -300,7 +314,9 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                 if i == L - 1 and ("out", L) not in res:
                     new = tensors.create(("out", L), L, source, x[L]) + [(("xbar", i), xbar[i] - x[L])]
                 else:
-                    new = tensors.create(("xbar", i), i + 1, source, xbar[i])
+                    new = held(tensors.create(("xbar", i), i + 1, source, xbar[i]), i + 1)
+                if ("transit", i) in res:  # x_i's part that neither B(i-1) nor B(i) needs: consumed now
+                    gone = [("transit", i)]
             else:
                 if i + 1 in backward_done:
                     raise fail(f"its output x_{i + 1} is no longer needed (B{i + 1} has run); use Fall{i} to "
@@ -310,7 +326,7 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                         raise fail(f"the output x_{L} is already held by the caller")
                     new = tensors.create(("out", L), L, source, x[L])
                 else:
-                    new = tensors.create(("x", i + 1), i + 1, source, x[i + 1])
+                    new = held(tensors.create(("x", i + 1), i + 1, source, x[i + 1]), i + 1)
                 if kind == "Fn":
                     if i == 0:
                         raise fail("x_0 is the caller's input and cannot be dropped; use Fck0")
@@ -335,6 +351,9 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
             freed += drop(key, k)
             for inst in tensors.release(key):  # a shared tensor goes with the last value that holds it
                 freed += drop(inst, k)
+            part = ("transit", key[1] + (key[0] == "xbar"))  # a holder of x_b takes its unconsumed transit part
+            if key[0] in ("x", "xbar") and part in res:
+                freed += drop(part, k)
         t = link.start_compute(k, op, t)  # later than t only when it waits for a prefetch
         before = mem
         peak = before + created + tmp

@@ -87,25 +87,37 @@ def _row(L, i, l):  # noqa: E741  # pragma: no cover - runs compiled
     return i * L - (i * (i - 1)) // 2 + l - i
 
 
-def _take_chain(out, cho, sub, t, keep):  # pragma: no cover - runs compiled
-    """Merge the chain option (``t + sub``, budget-aligned with ``out``) into the best leaf so far: the chain wins
-    unless a leaf is faster by more than the tie margin (``keep`` = 1 + 1e-12; no pointless recomputation)."""
-    for k in range(out.shape[0]):
-        cv = t + sub[k]
-        v = out[k]
+def _take_chain(out, cho, sub, t, shift, lo, keep):  # pragma: no cover - runs compiled
+    """Merge the chain option (``t + sub[m - shift]`` for budgets m >= ``lo``) into the best leaf so far: the chain
+    wins unless a leaf is faster by more than the tie margin (``keep`` = 1 + 1e-12; no pointless recomputation).
+    ``sub`` is read at most at its last budget (see _sub_at)."""
+    top = sub.shape[0] - 1
+    for m in range(lo, out.shape[0]):
+        cv = t + sub[_sub_at(m, shift, top)]
+        v = out[m]
         leaf_wins = v * keep < cv
-        out[k] = v if leaf_wins else cv
-        cho[k] = cho[k] if leaf_wins else _CHAIN
+        out[m] = v if leaf_wins else cv
+        cho[m] = cho[m] if leaf_wins else _CHAIN
 
 
-def _bounds(x, xs, xbar, ftmp, btmp, G, LOC, SAT):  # pragma: no cover - runs compiled
-    """Per pair (i, l), in slots: ``G`` the guard (DESIGN §4: the first forward of each stage i..l-1 runs while
-    δ_{l+1} is resident; necessary for every option), ``LOC`` the least m of the chain option (the base case when
-    i == l), ``SAT`` the least m from which the all-chain schedule ``Fall(i..l) B(l..i)`` fits. From SAT on nothing
-    beats it (it runs each stage once) and the chain option, preferred on ties, is taken: C is constant there."""
+def _sub_at(m, shift, top):  # pragma: no cover - runs compiled
+    """The budget the chain option's sub-chain gets: ``m - shift``, where ``shift`` = x̄_{i+1} less the transit part of
+    x_i that Fall(i) frees (negative when it frees more than it leaves). Past the table's last budget ``top`` the
+    sub-chain is read at ``top``: rows are non-increasing in m, so that schedule fits; exact when the table reaches
+    store-all's peak (the default), where every row is constant already."""
+    return min(m - shift, top)
+
+
+def _bounds(x, xs, xbar, tr, ftmp, btmp, G, LOC, SAT):  # pragma: no cover - runs compiled
+    """Per pair (i, l), in slots: ``G`` the guard (DESIGN §4: the forwards of stages i..l-1 that run before Fall(i),
+    while x_i is whole and δ_{l+1} resident; a leaf option with its checkpoint at j needs the part for stages
+    i..j-1, ``G[i, j] - x[j+1] + x[l+1]``), ``LOC`` the least m of the chain option (the base case when i == l),
+    ``SAT`` the least m from which the all-chain schedule ``Fall(i..l) B(l..i)`` fits. From SAT on nothing beats it
+    (it runs each stage once) and the chain option, preferred on ties, is taken: C is constant there. ``tr[i]``: the
+    transit part of x_i, freed by Fall(i), which B(i) and the rest of the chain option do without."""
     L = xbar.shape[0]
     for i in range(L - 1, -1, -1):
-        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i]  # B(i): δ_i, δ_{i+1}, x̄_{i+1} and its transient
+        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] - tr[i]  # B(i): δ_i, δ_{i+1}, x̄_{i+1} and its transient
         LOC[i, i] = max(x[i + 1] + xbar[i] + ftmp[i], need_b)  # base: Fall(i) with δ_{i+1} resident, B(i)
         SAT[i, i] = LOC[i, i]
         G[i, i] = 0
@@ -114,9 +126,12 @@ def _bounds(x, xs, xbar, ftmp, btmp, G, LOC, SAT):  # pragma: no cover - runs co
             if l - 1 > i:  # a later forward holds its input and output (their parts not in x_i)
                 run = max(run, xs[i, l - 1] + xs[l - 1, l] + ftmp[l - 1])
             G[i, l] = run + x[l + 1]
-            # Chain option: Fall(i) while δ_{l+1} is resident, [i+1..l] within m - xbar[i], then B(i).
-            LOC[i, l] = max(G[i, l], x[l + 1] + xbar[i] + ftmp[i], need_b, xbar[i])
-            SAT[i, l] = max(LOC[i, l], xbar[i] + SAT[i + 1, l])
+            # Chain option: Fall(i) while δ_{l+1} is resident, [i+1..l] within m - (xbar[i] - tr[i]), then B(i),
+            # by when the sub-chain's Fall(i+1) has freed the transit part of the x_{i+1} inside x̄_{i+1}. (The
+            # forwards of stages beyond i run inside the sub-chain, whose own guard covers them.)
+            shift = xbar[i] - tr[i]
+            LOC[i, l] = max(x[l + 1] + xbar[i] + ftmp[i], need_b - tr[i + 1], shift)
+            SAT[i, l] = max(LOC[i, l], shift + SAT[i + 1, l])
 
 
 def _useful_end(out, ub, lo, hi, bound):  # pragma: no cover - runs compiled
@@ -140,11 +155,13 @@ def _useful_end(out, ub, lo, hi, bound):  # pragma: no cover - runs compiled
 
 
 def _chain_time(u, sub, t, shift, lo):  # pragma: no cover - runs compiled
-    """``u[m] = t + sub[m - shift]`` from ``lo`` on (the chain option's time over ``sub``), ``inf`` below."""
+    """``u[m] = t + sub[m - shift]`` from ``lo`` on (the chain option's time over ``sub``, see _sub_at), ``inf``
+    below."""
+    top = sub.shape[0] - 1
     for m in range(lo):
         u[m] = np.inf
     for m in range(lo, u.shape[0]):
-        u[m] = t + sub[m - shift]
+        u[m] = t + sub[_sub_at(m, shift, top)]
 
 
 def _leaf(out, cho, right, left, f, j, ties):  # pragma: no cover - runs compiled
@@ -168,14 +185,14 @@ def _leaf(out, cho, right, left, f, j, ties):  # pragma: no cover - runs compile
             cho[k] = j if better else cho[k]
 
 
-def _leaves(C, Cch, U, F, G, SAT, xs, L, S1, ilo, i0, i1, j, l):  # noqa: E741  # pragma: no cover - runs compiled
+def _leaves(C, Cch, U, F, G, SAT, x, xs, L, S1, ilo, i0, i1, j, l):  # noqa: E741  # pragma: no cover - runs compiled
     """Leaf options with the checkpoint at ``j`` (beyond the block, its rows final) for the rows (i, l), i in
     ``[i0, i1)`` of the block that starts at ``ilo``: strict <, so over j ascending the smallest j wins ties. The right
     row C[j, l] is shared by these rows."""
     rj = _row(L, j, l)
     for i in range(i0, i1):
         xj = xs[i, j]
-        lo = max(G[i, l], xj)
+        lo = max(G[i, j] - x[j + 1] + x[l + 1], xj)
         hi = min(S1, SAT[i, l])
         if lo < hi:
             r = _row(L, i, l)
@@ -186,7 +203,7 @@ def _leaves(C, Cch, U, F, G, SAT, xs, L, S1, ilo, i0, i1, j, l):  # noqa: E741  
                 _leaf(C[r, lo:hi], Cch[r, lo:hi], C[rj, lo - xj:hi - xj], C[rl, lo:hi], f, j, False)
 
 
-def _finish(C, Cch, u, F, G, LOC, SAT, xs, xbar, fwd, bwd, L, S1, ilo, i, top, l, keep):  # noqa: E741  # pragma: no cover
+def _finish(C, Cch, u, F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, ilo, i, top, l, keep):  # noqa: E741  # pragma: no cover
     """Finish row (i, l) once the rows (j, l) of the block above i are final: leaves with j in the block,
     descending with <= so the smallest j wins ties; then the chain option (preferred on ties); ``u`` is scratch."""
     r = _row(L, i, l)
@@ -194,12 +211,13 @@ def _finish(C, Cch, u, F, G, LOC, SAT, xs, xbar, fwd, bwd, L, S1, ilo, i, top, l
     cho = Cch[r]
     t = fwd[i] + bwd[i]
     lo = LOC[i, l]
+    shift = xbar[i] - tr[i]
     if i < l:  # the chain option's time bounds the leaves below
-        _chain_time(u, C[_row(L, i + 1, l)], t, xbar[i], min(lo, S1))
+        _chain_time(u, C[_row(L, i + 1, l)], t, shift, min(lo, S1))
     hi = min(S1, SAT[i, l])
     for j in range(top, i, -1):
         xj = xs[i, j]
-        lo_j = max(G[i, l], xj)
+        lo_j = max(G[i, j] - x[j + 1] + x[l + 1], xj)
         if lo_j < hi:
             rj = _row(L, j, l)
             rl = _row(L, i, j - 1)
@@ -211,17 +229,17 @@ def _finish(C, Cch, u, F, G, LOC, SAT, xs, xbar, fwd, bwd, L, S1, ilo, i, top, l
         for m in range(lo, S1):
             out[m] = t
     elif lo < S1:
-        _take_chain(out[lo:], cho[lo:], C[_row(L, i + 1, l), lo - xbar[i]:], t, keep)
+        _take_chain(out, cho, C[_row(L, i + 1, l)], t, shift, lo, keep)
     for m in range(S1):
         if out[m] == np.inf:
             cho[m] = _NONE
 
 
-def _fill_table(x, xs, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # pragma: no cover - runs compiled
+def _fill_table(x, xs, xbar, tr, ftmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # pragma: no cover - runs compiled
     """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices.
     Sizes in slots (see ``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes the gradients δ; ``xs[i, j]`` the
     part of x_j not in x_i, what a value x_j costs while x_i is resident (DESIGN §8); ``xbar`` the part of x̄_{i+1} not
-    in x_i.
+    in x_i; ``tr[i]`` the transit part of x_i (rounded down), which Fall(i) frees.
 
     Order: stages i descending, in blocks of _BLOCK; for each block, l ascending in tiles of _TILE; then every entry
     read is final (C[j, l] has j > i, C[i, j-1] has j-1 < l; sizes of 0 read the same m of those rows). m is
@@ -243,7 +261,7 @@ def _fill_table(x, xs, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # 
     G = np.empty((L, L), np.int64)
     LOC = np.empty((L, L), np.int64)
     SAT = np.empty((L, L), np.int64)
-    _bounds(x, xs, xbar, ftmp, btmp, G, LOC, SAT)
+    _bounds(x, xs, xbar, tr, ftmp, btmp, G, LOC, SAT)
     B = _BLOCK
     T = _TILE
     F = np.empty((B, L + 1))  # F[i - ilo, j] = fwd[i] + ... + fwd[j-1], summed in that order
@@ -262,7 +280,7 @@ def _fill_table(x, xs, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # 
                 C[_row(L, i, l)] = np.inf
                 Cch[_row(L, i, l)] = _CHAIN
             for i in range(l, ilo - 1, -1):
-                _finish(C, Cch, U[0, 0], F, G, LOC, SAT, xs, xbar, fwd, bwd, L, S1, ilo, i, l, l, keep)
+                _finish(C, Cch, U[0, 0], F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, ilo, i, l, l, keep)
         for la in range(ihi + 1, L, T):
             lb = min(L - 1, la + T - 1)
             for l in range(la, lb + 1):  # noqa: E741
@@ -270,7 +288,7 @@ def _fill_table(x, xs, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # 
                     C[_row(L, i, l)] = np.inf
                     Cch[_row(L, i, l)] = _CHAIN
                     sub = C[_row(L, ihi + 1, l)] if i == ihi else U[l - la, i + 1 - ilo]
-                    _chain_time(U[l - la, i - ilo], sub, fwd[i] + bwd[i], xbar[i], min(LOC[i, l], S1))
+                    _chain_time(U[l - la, i - ilo], sub, fwd[i] + bwd[i], xbar[i] - tr[i], min(LOC[i, l], S1))
             # Checkpoints j <= la: their left rows C[i, j-1] are final for every row of the tile. The rows of
             # different i are independent here: the block is split between the threads, in contiguous parts.
             parts = min(threads, ihi + 1 - ilo)
@@ -279,13 +297,13 @@ def _fill_table(x, xs, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # 
                 i1 = ilo + (ihi + 1 - ilo) * (part + 1) // parts
                 for j in range(ihi + 1, la + 1):
                     for l in range(la, lb + 1):  # noqa: E741
-                        _leaves(C, Cch, U[l - la], F, G, SAT, xs, L, S1, ilo, i0, i1, j, l)
+                        _leaves(C, Cch, U[l - la], F, G, SAT, x, xs, L, S1, ilo, i0, i1, j, l)
             for l in range(la, lb + 1):  # noqa: E741
                 for j in range(la + 1, l + 1):  # left rows of the tile, final now
-                    _leaves(C, Cch, U[l - la], F, G, SAT, xs, L, S1, ilo, ilo, ihi + 1, j, l)
+                    _leaves(C, Cch, U[l - la], F, G, SAT, x, xs, L, S1, ilo, ilo, ihi + 1, j, l)
                 for i in range(ihi, ilo - 1, -1):
-                    _finish(C, Cch, U[l - la, i - ilo], F, G, LOC, SAT, xs, xbar, fwd, bwd, L, S1, ilo, i, ihi, l,
-                            keep)
+                    _finish(C, Cch, U[l - la, i - ilo], F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, ilo, i,
+                            ihi, l, keep)
 
     # The spine with the loss: D[., L] is the loss (creates δ_L), then i = L-1 .. 0.
     for m in range(S1):  # δ_L
@@ -296,14 +314,14 @@ def _fill_table(x, xs, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # 
         cho = Dch[i]
         out[:] = inf
         cho[:] = _CHAIN
-        g = xs[i, i + 1] + ftmp[i]
-        for k in range(i + 1, L):
-            g = max(g, xs[i, k] + xs[k, k + 1] + ftmp[k])
+        g = xs[i, i + 1] + ftmp[i]  # the guard: forwards of i..j-1 before Fall(i), with x_i whole
         xL = xs[i, L]  # the held output, less what x_i holds of it
         # Leaf options: Fck(i) Fn(i+1..j-1), [j..L] with x_j charged, then [i..j-1] after the loss, with the held
         # output x_L charged.
         fs = 0.0
         for j in range(i + 1, L + 1):
+            if j - 1 > i:
+                g = max(g, xs[i, j - 1] + xs[j - 1, j] + ftmp[j - 1])
             fs += fwd[j - 1]
             xj = xs[i, j]
             lo = max(g, xj, xL)
@@ -312,21 +330,24 @@ def _fill_table(x, xs, xbar, ftmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # 
         # Chain option: Fall(i), [i+1..L] within m - xbar[i], B(i), which also holds x_L beside x̄_{i+1} unless
         # x_L is inside it (i == L-1); x_L was computed from the x_{i+1} inside x̄_{i+1}, so it costs what it does
         # beside x_{i+1}.
-        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L])
-        lo = max(g, xbar[i] + ftmp[i], need_b, xbar[i])
+        # (by B(i), the sub-spine's Fall(i+1) has freed the transit part of x_{i+1}; tr[L] = 0)
+        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L]) - tr[i] - tr[i + 1]
+        shift = xbar[i] - tr[i]
+        lo = max(xbar[i] + ftmp[i], need_b, shift)
         t = fwd[i] + bwd[i]
         if lo < S1:
-            _take_chain(out[lo:], cho[lo:], D[i + 1, lo - xbar[i]:], t, keep)
+            _take_chain(out, cho, D[i + 1], t, shift, lo, keep)
         for m in range(S1):
             if out[m] == inf:
                 cho[m] = _NONE
 
 
-def _rebuild(xs, xbar, Cch, Dch, m0, out):  # pragma: no cover - runs compiled
+def _rebuild(xs, xbar, tr, Cch, Dch, m0, out):  # pragma: no cover - runs compiled
     """Write the ops of the optimal schedule for ``D[m0, 0]`` into ``out`` (rows: kind code, stage); return their
     count, or -1 if ``out`` is too short. An explicit stack replaces the recursion: task kinds 0 = D(m, i),
     1 = C(m, i, l), 2 = emit B(i)."""
     L = xbar.shape[0]
+    top_m = Cch.shape[1] - 1
     stack = np.empty((2 * L + 8, 4), np.int64)  # one pending task per nesting level, levels <= L + 1
     stack[0, 0] = 0
     stack[0, 1] = m0
@@ -349,7 +370,7 @@ def _rebuild(xs, xbar, Cch, Dch, m0, out):  # pragma: no cover - runs compiled
             n += 1
             continue
         j = Dch[i, m] if task == 0 else Cch[_row(L, i, l), m]
-        if j == _CHAIN:  # Fall(i), the rest within m - xbar[i], then B(i)
+        if j == _CHAIN:  # Fall(i), the rest within m - (xbar[i] - tr[i]), then B(i)
             if n >= cap:
                 return -1
             out[n, 0] = 2
@@ -360,7 +381,7 @@ def _rebuild(xs, xbar, Cch, Dch, m0, out):  # pragma: no cover - runs compiled
             top += 1
             if task == 0 or i < l:
                 stack[top, 0] = task
-                stack[top, 1] = m - xbar[i]
+                stack[top, 1] = _sub_at(m, xbar[i] - tr[i], top_m)
                 stack[top, 2] = i + 1
                 stack[top, 3] = l
                 top += 1
@@ -387,7 +408,7 @@ def _rebuild(xs, xbar, Cch, Dch, m0, out):  # pragma: no cover - runs compiled
     return n
 
 
-def _least_memory(x, xs, xbar, ftmp, btmp):  # pragma: no cover - runs compiled
+def _least_memory(x, xs, xbar, tr, ftmp, btmp):  # pragma: no cover - runs compiled
     """The least m for which ``D[m, 0]`` is finite: the same recurrences with feasibility thresholds composed by
     ``max`` (all of an option's conditions) and ``min`` (the best option). O(L^3), no slots."""
     L = xbar.shape[0]
@@ -396,30 +417,29 @@ def _least_memory(x, xs, xbar, ftmp, btmp):  # pragma: no cover - runs compiled
     for d in range(L):
         for i in range(L - d):
             l = i + d  # noqa: E741
-            need_b = x[i] + x[i + 1] + xbar[i] + btmp[i]
+            need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] - tr[i]
             if d == 0:
                 Cm[i, l] = max(x[i + 1] + xbar[i] + ftmp[i], need_b)
                 continue
-            g = xs[i, i + 1] + ftmp[i]
-            for k in range(i + 1, l):
-                g = max(g, xs[i, k] + xs[k, k + 1] + ftmp[k])
-            g += x[l + 1]
-            best = max(x[l + 1] + xbar[i] + ftmp[i], need_b, xbar[i] + Cm[i + 1, l])
+            best = max(x[l + 1] + xbar[i] + ftmp[i], need_b - tr[i + 1], xbar[i] - tr[i] + Cm[i + 1, l])
+            g = xs[i, i + 1] + ftmp[i]  # the leaf's guard: forwards of i..j-1 with x_i whole
             for j in range(i + 1, l + 1):
-                best = min(best, max(xs[i, j] + Cm[j, l], Cm[i, j - 1]))
-            Cm[i, l] = max(g, best)
+                if j - 1 > i:
+                    g = max(g, xs[i, j - 1] + xs[j - 1, j] + ftmp[j - 1])
+                best = min(best, max(g + x[l + 1], xs[i, j] + Cm[j, l], Cm[i, j - 1]))
+            Cm[i, l] = best
     Dm = np.empty(L + 1, np.int64)
     Dm[L] = x[L]  # δ_L
     for i in range(L - 1, -1, -1):
         xL = xs[i, L]
+        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L]) - tr[i] - tr[i + 1]
+        best = max(xbar[i] + ftmp[i], need_b, xbar[i] - tr[i] + Dm[i + 1])
         g = xs[i, i + 1] + ftmp[i]
-        for k in range(i + 1, L):
-            g = max(g, xs[i, k] + xs[k, k + 1] + ftmp[k])
-        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L])
-        best = max(xbar[i] + ftmp[i], need_b, xbar[i] + Dm[i + 1])
         for j in range(i + 1, L + 1):
-            best = min(best, max(xs[i, j] + Dm[j], xL + Cm[i, j - 1]))
-        Dm[i] = min(max(g, best), big)
+            if j - 1 > i:
+                g = max(g, xs[i, j - 1] + xs[j - 1, j] + ftmp[j - 1])
+            best = min(best, max(g, xs[i, j] + Dm[j], xL + Cm[i, j - 1]))
+        Dm[i] = min(best, big)
     return Dm[0]
 
 
@@ -442,7 +462,7 @@ def _kernels() -> dict[str, Any]:
         # compiles.
         g = globals()
         g["prange"] = numba.prange
-        for name in ("_row", "_take_chain", "_bounds", "_useful_end", "_chain_time", "_leaf", "_leaves", "_finish",
+        for name in ("_row", "_sub_at", "_take_chain", "_bounds", "_useful_end", "_chain_time", "_leaf", "_leaves", "_finish",
                      "_fill_table", "_rebuild", "_least_memory"):
             g[name] = numba.njit(**_NUMBA_OPTIONS, parallel=name == "_fill_table")(g[name])
         _compiled.update(fill=_fill_table, rebuild=_rebuild, least=_least_memory, threads=numba.get_num_threads)
@@ -558,7 +578,7 @@ class Solution:
         L = self.chain.length
         out = np.empty((L * (L + 1) // 2 + L + 2, 2), np.int32)  # at most L(L+1)/2 forwards
         sz = self._sizes
-        n = _kernels()["rebuild"](sz["xs"], sz["xbar"], self._Cch, self._Dch, s - int(sz["x"][0]), out)
+        n = _kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], self._Cch, self._Dch, s - int(sz["x"][0]), out)
         if n < 0:  # cannot happen: a DP schedule has at most L(L+1)/2 forwards
             raise RuntimeError("internal error: schedule longer than its bound")
         kinds = [_KINDS[k] for k in out[:n, 0].tolist()]
@@ -668,6 +688,7 @@ def dp_sizes(chain: Chain) -> dict[str, np.ndarray]:
     - ``xbar[i]``: x̄_{i+1} less the shared tensors it has in common with x_i. Exact: x_i stays resident from
       Fall(i) to B(i) (B(i) needs it; nothing frees it before: Fn(i) cannot run while x_{i+1} is resident).
     - ``fwd_tmp``, ``bwd_tmp``: as in the chain.
+    - ``tr`` (L+1 entries): ``chain.transit``, the part of x_i that Fall(i) frees (never shared: not handed on).
 
     With ``chain.shared == ()`` these are the chain's own sizes (``xs[i, j] == x[j]``).
     """
@@ -679,12 +700,13 @@ def dp_sizes(chain: Chain) -> dict[str, np.ndarray]:
     xs = np.triu(x[None, :] - span, 1)
     xbar = np.asarray(chain.xbar, dtype=np.int64) - span[np.arange(L), np.arange(1, L + 1)]
     return {"x": np.append(x, 0), "xs": xs, "xbar": xbar, "fwd_tmp": np.asarray(chain.fwd_tmp, dtype=np.int64),
-            "bwd_tmp": np.asarray(chain.bwd_tmp, dtype=np.int64)}
+            "bwd_tmp": np.asarray(chain.bwd_tmp, dtype=np.int64), "tr": np.asarray(chain.transit, dtype=np.int64)}
 
 
 def _slot_sizes(chain: Chain, max_budget: int, slots: int) -> dict[str, np.ndarray]:
     """:func:`dp_sizes` in slots, rounded up (exact integer arithmetic); anything above the whole budget is capped
-    at slots + 1, which is infeasible anyway and keeps sums far from overflow."""
+    at slots + 1, which is infeasible anyway and keeps sums far from overflow. Transit bytes are freed, not
+    charged: they are rounded down (and never more than the rounded-up x they are part of)."""
     def up(v: np.ndarray) -> np.ndarray:
         if slots == max_budget:
             return np.minimum(v, slots + 1)
@@ -693,7 +715,12 @@ def _slot_sizes(chain: Chain, max_budget: int, slots: int) -> dict[str, np.ndarr
         return np.array([min(-(-int(b) * slots // max_budget), slots + 1) for b in v.ravel()],
                         dtype=np.int64).reshape(v.shape)
 
-    return {k: up(v) for k, v in dp_sizes(chain).items()}
+    sizes = dp_sizes(chain)
+    out = {k: up(v) for k, v in sizes.items() if k != "tr"}
+    tr = sizes["tr"]
+    out["tr"] = np.minimum(tr if slots == max_budget else np.array([int(b) * slots // max_budget for b in tr],
+                                                                   dtype=np.int64), out["x"][:-1])
+    return out
 
 
 def _read_bytes(value: Any, what: str = "the budget") -> int:
@@ -712,7 +739,7 @@ def store_all_peak(chain: Chain) -> int:
 def least_budget(chain: Chain) -> int:
     """The least budget (bytes, exact) within which any schedule of ``chain`` fits."""
     z = dp_sizes(chain)
-    return int(z["x"][0] + _kernels()["least"](z["x"], z["xs"], z["xbar"], z["fwd_tmp"], z["bwd_tmp"]))
+    return int(z["x"][0] + _kernels()["least"](z["x"], z["xs"], z["xbar"], z["tr"], z["fwd_tmp"], z["bwd_tmp"]))
 
 
 def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *, offload: bool = False,
@@ -757,8 +784,8 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     Dch = np.empty((L + 1, slots + 1), choice_type)
     k = _kernels()
     with _FILL_LOCK:
-        k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["fwd_tmp"], sizes["bwd_tmp"], arr["fwd_time"],
-                  arr["bwd_time"], C, Cch, D, Dch, k["threads"]())
+        k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["fwd_tmp"], sizes["bwd_tmp"],
+                  arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, k["threads"]())
     D0 = D[0].copy()
     del C, D  # only the choices (and the answers D[., 0]) are kept
     return Solution(chain, max_budget, slots, peak, sizes, Cch, Dch, D0)
