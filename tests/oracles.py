@@ -37,7 +37,8 @@ class State(NamedTuple):
     """What the memory model needs to know to judge the next op.
 
     ``res``: frozenset of resident items ``(kind, stage, bytes)`` with kinds ``x``, ``xbar``, ``out``, ``delta``,
-    ``transit`` (as in ``simulate``: the part of x_b no backward needs, beside the value holding x_b, until Fall(b)); ``loss_done``; ``bwd_done``: frozenset of stages whose backward has run.
+    ``transit`` (as in ``simulate``: the part of x_b no backward needs, beside the value holding x_b, until
+    Fall(b)); ``loss_done``; ``bwd_done``: frozenset of stages whose backward has run.
     """
 
     res: frozenset

@@ -468,7 +468,8 @@ def test_tie_rule_prefers_no_recomputation():
     sol = exact(chain)
     out = np.empty((64, 2), np.int32)
     sz = sol._sizes
-    n = solver._kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], sol._Cch, sol._Dch, sol.slots - int(sz["x"][0]), out)
+    n = solver._kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], sol._Cch, sol._Dch, sol.slots - int(sz["x"][0]),
+                                     out)
     ops = tuple(Op(solver._KINDS[k], int(i)) for k, i in out[:n])
     assert ops == store_all(chain).ops
 

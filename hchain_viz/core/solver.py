@@ -462,7 +462,8 @@ def _kernels() -> dict[str, Any]:
         # compiles.
         g = globals()
         g["prange"] = numba.prange
-        for name in ("_row", "_sub_at", "_take_chain", "_bounds", "_useful_end", "_chain_time", "_leaf", "_leaves", "_finish",
+        for name in ("_row", "_sub_at", "_take_chain", "_bounds", "_useful_end", "_chain_time", "_leaf", "_leaves",
+                     "_finish",
                      "_fill_table", "_rebuild", "_least_memory"):
             g[name] = numba.njit(**_NUMBA_OPTIONS, parallel=name == "_fill_table")(g[name])
         _compiled.update(fill=_fill_table, rebuild=_rebuild, least=_least_memory, threads=numba.get_num_threads)

@@ -75,6 +75,25 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def transit_storages(inputs: list[torch.Tensor], candidates: list[bool], saved: set[int],
+                     outputs: list[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    """The storages of a stage input x_i that no backward needs (``chain.transit``, DESIGN §3 as amended), by data
+    pointer: those of the tensors ``inputs[k]`` with ``candidates[k]`` (made by stage i-1 and not saved by its
+    backward), that this stage's backward does not save either (``saved``: data pointers of what autograd saved) and
+    that it does not hand on in ``outputs``. The profiler sums their bytes; the executor frees them after Fall(i)."""
+    needed = saved | {st.data_ptr() for t in outputs if (st := storage_of(t)) is not None}
+    found: dict[int, torch.UntypedStorage] = {}
+    for t, candidate in zip(inputs, candidates):
+        st = storage_of(t)
+        if candidate and st is not None and st.nbytes() and st.data_ptr() not in needed:
+            found[st.data_ptr()] = st
+    for t, candidate in zip(inputs, candidates):  # a storage another input tensor holds without being a candidate
+        st = storage_of(t)
+        if not candidate and st is not None:
+            found.pop(st.data_ptr(), None)
+    return found
+
+
 def copy_with_layout(t: torch.Tensor, copies: dict[int, tuple]) -> torch.Tensor:
     """A detached copy of ``t`` with its sizes, strides and storage offset, in a copy of its whole storage.
 

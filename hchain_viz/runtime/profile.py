@@ -10,6 +10,9 @@ own, in order, on the real output of the stage before (only one stage's autograd
 - ``xbar[i]``: the output plus what autograd saves for the backward, seen through
   ``torch.autograd.graph.saved_tensors_hooks``: each storage once, only storages the forward created (parameters,
   buffers, the stage input and constants are resident anyway).
+- ``transit[i]``: bytes of x_i that no backward needs — storages stage i-1 made and neither its saved tensors nor
+  stage i's hold, and that stage i does not hand on (the pre-softmax scores; q and k that an attention product copies
+  before saving): the executor frees them once Fall(i) has run (``memtrack.transit_storages``).
 - ``fwd_tmp[i]``: peak bytes above the resident set during the forward, beyond what the forward leaves (largest of
   the recording forward and a no-grad one); ``bwd_tmp[i]``: the same for the backward, beyond the input gradient.
   Measured by :class:`~hchain_viz.runtime.memtrack.MemoryMeter` (CUDA statistics, or the allocator's own log of
@@ -56,6 +59,7 @@ from .memtrack import (
     storage_of,
     storages,
     tensors,
+    transit_storages,
 )
 from .progress import progress_bar
 from .stages import sequentialize
@@ -124,6 +128,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     L = len(stages)
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
     fwd_spread, bwd_spread = [0.0] * L, [0.0] * L
+    transit = [0] * (L + 1)
+    candidates: list[bool] = [False] * len(tensors(sample_input))  # x_0 is the caller's: never transit
     counts: list[tuple[int, int, int, int]] = []  # per stage, for estimate_for: fwd/bwd FLOPs and bytes
     bar = progress_bar(L, "profiling", "stage", enabled=progress)  # in a notebook, text once done
     # identity[i][j]: which tensor the j-th tensor of boundary value x[i] is (a stage may hand on its input's)
@@ -134,7 +140,10 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         for i, ((name, _), stage) in enumerate(zip(stages, runners)):
             bar.set_postfix_str(name, refresh=False)
             r = _StageProfile(name, stage, h, dev, loss_fn if i == L - 1 else None)
+            r.candidates_in, r.own = candidates, [*stages[i][1].parameters(), *stages[i][1].buffers()]
             r.run(warmup, repeats)
+            transit[i] = r.transit_in if i > 0 else 0
+            candidates = r.candidates_out
             fwd[i], bwd[i], xs[i + 1], xbar[i], ftmp[i], btmp[i] = (r.fwd_time, r.bwd_time, r.out_bytes, r.xbar,
                                                                    r.fwd_tmp, r.bwd_tmp)
             fwd_spread[i], bwd_spread[i] = r.fwd_spread, r.bwd_spread
@@ -183,7 +192,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
                              dev, world_size)
     chain = Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
                   names=[n for n, _ in stages], meta=meta, fixed=fixed, groups=_groups(stages),
-                  tags=[getattr(m, "tag", "") or "" for _, m in stages], shared=_shared(identity, sizes))
+                  tags=[getattr(m, "tag", "") or "" for _, m in stages], shared=_shared(identity, sizes),
+                  transit=transit)
     _warn_if_noisy(chain)
     return chain
 
@@ -318,7 +328,15 @@ class _StageProfile:
                 out = self._forward(inp)
             out_storages = storages(out)
             kept = {k: v for k, v in saved.items() if k not in out_storages}
+            saved_ptrs = {ptr for ptr, _ in saved.values()}
             saved.clear()
+            ins, outs = tensors(inp), tensors(out)
+            unneeded = transit_storages(ins, self.candidates_in, saved_ptrs, outs)
+            self.transit_in = sum(st.nbytes() for st in unneeded.values())
+            # Which output tensors the next stage's transit may hold: made here, not saved for this backward.
+            not_made = saved_ptrs | {st.data_ptr() for t in [*ins, *self.own] if (st := storage_of(t)) is not None}
+            self.candidates_out = [(st := storage_of(t)) is not None and st.data_ptr() not in not_made for t in outs]
+            del ins, outs, unneeded
             if cuda_log is not None:
                 cuda_log.mark()
             meter.mark()  # span 0: the recording forward; span 1: the backward

@@ -32,7 +32,7 @@ from ..core.schedule import Schedule
 from ..core.simulate import simulate
 from ..errors import HChainError, InvalidSchedule, NotSequentialError
 from .compiled import check_not_compiled, compile_options, compile_stage, describe
-from .memtrack import cuda_devices
+from .memtrack import cuda_devices, transit_storages
 from .stages import sequentialize
 from .transfer import Link, box_holder, data_holder, storage_key
 
@@ -191,6 +191,10 @@ class _Step:
         self.out: Any = None
         self.out_spec: Any = None
         self.group_delta: list[torch.Tensor | None] = []  # δ_k of the group being back-propagated
+        # For freeing transit bytes (chain.transit): per boundary i, the data pointers of the storages of x_i that the
+        # forward of stage i-1 made; per stage i, those of what its last Fall saved for its backward.
+        self.made: dict[int, set[int]] = {}
+        self.saved: dict[int, set[int]] = {}
         self.devices = cuda_devices(x0)
         self.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
         self.autocast_cache = torch.is_autocast_cache_enabled()
@@ -265,6 +269,7 @@ class _Step:
             self.link.wait_for((i - 1, i))  # a prefetch of its input must have arrived
         x_in = self._input(i)
         flat, spec = _flatten(x_in)
+        in_xbar = i not in self.x  # x_i is the output inside x̄_i (what Fall(i-1) left)
         if kind == "Fall":
             if joined:
                 # Fall(i) on the output of Fall(i-1), and B(i-1) will directly follow B(i): stage i extends the
@@ -287,6 +292,8 @@ class _Step:
                 self._learn_mutation(i, leaves, versions)
                 self.xbar[i] = (leaves, out)
             m._grad_mask[i + 1] = [t.requires_grad for t in _flatten(out)[0]]
+            self._note_made(i, flat, out)
+            self._free_transit(i, flat, out, in_xbar)
             return
         # NOTE [in-place inputs]: Fck keeps x_i for a later forward of stage i. A stage seen writing into its input
         # runs on a copy, so the kept checkpoint is never corrupted; so does a stage not seen yet (the first step
@@ -299,6 +306,7 @@ class _Step:
             out = self._call(stage, feed, i, role)
         self._learn_mutation(i, fed, versions)
         del feed, fed
+        self._note_made(i, flat, out)
         if kind == "Fn":
             # NOTE [memory model]: Fn frees its input x_i right after the op (DESIGN §3).
             del self.x[i]
@@ -308,8 +316,40 @@ class _Step:
             self.x[i + 1] = out
 
     def _packing(self, i: int) -> contextlib.AbstractContextManager:
-        """With transfers, the saved tensors of a recording forward go into boxes that Off/Pre can move."""
-        return self.link.hooks(i) if self.link is not None else contextlib.nullcontext()
+        """With transfers, the saved tensors of a recording forward go into boxes that Off/Pre can move; without,
+        their storages are noted (see _free_transit)."""
+        if self.link is not None:
+            return self.link.hooks(i)
+        saved = self.saved[i] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = storage_key(t)
+            if key is not None:
+                saved.add(key)
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+
+    def _note_made(self, i: int, inputs: list[torch.Tensor], out: Any) -> None:
+        """Remember which storages of x_{i+1} the forward of stage i made (not handed on from its input)."""
+        if self.link is None and i + 1 < self.L:
+            stage = self.m._stage_modules[i]
+            kept = {storage_key(t) for t in [*inputs, *stage.parameters(), *stage.buffers()]}  # never freed
+            self.made[i + 1] = {k for t in _flatten(out)[0] if (k := storage_key(t)) not in kept}
+
+    def _free_transit(self, i: int, inputs: list[torch.Tensor], out: Any, in_xbar: bool) -> None:
+        # NOTE [memory model]: after Fall(i), the part of x_i that no backward needs is freed (chain.transit, DESIGN
+        # §3 as amended): storages stage i-1 made that neither its graph (when x_i is inside x̄_i) nor stage i's
+        # saved and that stage i does not hand on. Eager autograd frees them here too; we hold them in x̄_i or in a
+        # checkpoint, so their memory is released in place (no backward and no later forward reads them: a forward
+        # of stage i cannot run again before B(i)). The tensors stay, for their shapes (δ_i matches them).
+        if self.link is not None or i == 0 or i not in self.made:
+            return
+        made = self.made[i]
+        saved = self.saved[i] | (self.saved.get(i - 1, set()) if in_xbar else set())
+        candidates = [storage_key(t) in made for t in inputs]
+        for st in transit_storages(inputs, candidates, saved, _flatten(out)[0]).values():
+            st.resize_(0)
 
     def _backward_op(self, i: int) -> None:
         # NOTE [memory model]: B(i) frees δ_{i+1}, x̄_{i+1} (the graph and output of Fall(i)) and, when x_i is a plain
@@ -425,6 +465,10 @@ class _Step:
         for device, dtype in self.autocast:
             stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=self.autocast_cache and grad))
         return stack
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 @contextlib.contextmanager
