@@ -126,8 +126,8 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
     if kind == "Loss":
         if i != L or state.loss_done or not _has(state, "out", L):
             return None
-        res.add(("delta", L, x[L]))
-        return State(frozenset(res), True, state.bwd_done, state.kept, groups), mem + x[L], 0.0
+        res.add(("delta", L, chain.delta_bytes[L]))
+        return State(frozenset(res), True, state.bwd_done, state.kept, groups), mem + chain.delta_bytes[L], 0.0
     if not 0 <= i < L:
         return None
     if kind == "B":
@@ -135,14 +135,14 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
             return None
         if not _input_ok(state, i):
             return None
-        peak = mem + x[i] + chain.bwd_tmp[i]
+        peak = mem + chain.delta_bytes[i] + chain.bwd_tmp[i]
         res.discard(("delta", i + 1, _size(state, "delta", i + 1)))
         _without(res, state, "xbar", i)
         groups = _release(groups, ("xbar", i))
         if i > 0 and _has(state, "x", i):
             _without(res, state, "x", i)
             groups = _release(groups, ("x", i))
-        res.add(("delta", i, x[i]))
+        res.add(("delta", i, chain.delta_bytes[i]))
         nxt = State(frozenset(res), True, state.bwd_done | {i}, state.kept - {i}, groups)
         return nxt, peak, chain.bwd_time[i]
     # a forward of stage i
@@ -322,7 +322,7 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
     L = chain.length
     S = slots
     up = lambda v: _ceil_div(v * S, max_budget)  # noqa: E731  (bytes -> slots, rounded up)
-    x = [up(v) for v in chain.x] + [0]  # x[L+1] = 0: nothing arrives from beyond the loss (sizes of the δ's)
+    x = [up(v) for v in chain.delta_bytes] + [0]  # the δ's (x[L+1] = 0: nothing arrives from beyond the loss)
 
     def common(i: int, j: int) -> int:
         """Bytes of the shared tensors that cross every cut i..j (DESIGN §8)."""
@@ -332,7 +332,7 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
     xbar = [up(chain.xbar[i] - common(i, i + 1)) for i in range(L)]  # x̄_{i+1} beside x_i
     ftmp = [up(v) for v in chain.fwd_tmp]
     btmp = [up(v) for v in chain.bwd_tmp]
-    tr = [min(v * S // max_budget, x[i]) for i, v in enumerate(chain.transit)]  # freed by Fall(i): rounded down
+    tr = [min(v * S // max_budget, up(chain.x[i])) for i, v in enumerate(chain.transit)]  # freed: rounded down
     fwd, bwd = chain.fwd_time, chain.bwd_time
     C: dict = {}
     Cch: dict = {}

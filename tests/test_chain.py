@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -245,6 +246,25 @@ def test_structure_fields_round_trip_and_default():
     plain = Chain(fwd_time=[1], bwd_time=[1], x=[1, 1], xbar=[1])
     assert plain.groups == () and plain.tags == ("",) and plain.shared == ()
     assert "groups" not in plain.to_dict() and "tags" not in plain.to_dict() and "shared" not in plain.to_dict()
+
+
+def test_transit_and_gradient_sizes_round_trip_default_and_validate():
+    base = dict(fwd_time=[1, 1, 1], bwd_time=[2, 2, 2], x=[4, 6, 6, 4], xbar=[8, 8, 4], shared=[(1, 2, 3)])
+    plain = Chain(**base)
+    assert plain.transit == (0, 0, 0, 0) and plain.delta is None and plain.delta_bytes == plain.x
+    assert replace(plain, x=[4, 8, 8, 4]).delta_bytes == (4, 8, 8, 4)  # follows x
+    assert "transit" not in plain.to_dict() and "delta" not in plain.to_dict()  # old chain files load unchanged
+    c = Chain(**base, transit=[0, 3, 2, 0], delta=[0, 12, 6, 4])
+    back = Chain.from_json(c.to_json())
+    assert back.transit == (0, 3, 2, 0) and back.delta == back.delta_bytes == (0, 12, 6, 4)
+    with pytest.raises(InvalidChain, match="transit\\[0\\] and transit\\[L\\] must be 0"):
+        Chain(**base, transit=[1, 0, 0, 0])
+    with pytest.raises(InvalidChain, match="transit\\[1\\] = 4 is more than the 3 bytes of x\\[1\\] that no shared"):
+        Chain(**base, transit=[0, 4, 0, 0])  # 3 of x[1]'s 6 bytes are the shared tensor
+    with pytest.raises(InvalidChain, match="delta"):
+        Chain(**base, delta=[1, 2, 3])
+    with pytest.raises(InvalidChain, match="delta"):
+        Chain(**base, delta=[0, -1, 0, 0])
 
 
 @pytest.mark.parametrize("kw, words", [

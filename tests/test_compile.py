@@ -230,7 +230,9 @@ def test_profile_compiled_stages_predicts_the_compiled_schedule():
     for schedule in (strategies.store_all(chain), strategies.periodic(chain, 3)):
         predicted = simulate(chain, schedule).peak_memory
         measured = measure(wrap(model, schedule, compile=options), x, repeats=1).peak_bytes
-        assert 0.9 <= measured / predicted <= 1.0, (schedule, measured, predicted)
+        # (0.85: on this chain of 16 KiB activations the backward transients of the compiled Linear stages run
+        # about 12 KiB high; the executor no longer keeps the 5 KiB RNG state that used to hide part of it)
+        assert 0.85 <= measured / predicted <= 1.0, (schedule, measured, predicted)
 
 
 class _Mlp(nn.Module):

@@ -18,7 +18,7 @@ from hchain_viz.core.chain import Chain  # noqa: E402
 from hchain_viz.errors import HChainError, NotSequentialError, ProfileError  # noqa: E402
 from hchain_viz.runtime import models  # noqa: E402
 from hchain_viz.runtime.measure import default_loss, measure  # noqa: E402
-from hchain_viz.runtime.profile import profile  # noqa: E402
+from hchain_viz.runtime.profile import BACKWARD_SLACK, profile  # noqa: E402
 
 pytestmark = pytest.mark.torch
 F32 = 4
@@ -67,9 +67,10 @@ def test_linear_relu_and_tuple_stages_by_hand():
     # the allocator sees (memory is measured from its log of allocations and frees).
     assert chain.fwd_tmp[:5] == (0, 0, 0, 12, 12)
     # lin2's backward holds, above the resident set: the input gradient (x[2]), the fresh weight and bias gradients
-    # (added in place into .grad afterwards); bwd_tmp is what exceeds the input gradient.
-    assert chain.bwd_tmp[2] == (32 * 32 + 32) * F32
-    assert chain.bwd_tmp[1] == 0  # ReLU's backward creates only the input gradient
+    # (added in place into .grad afterwards); bwd_tmp is what exceeds the input gradient, plus the fixed slack for
+    # autograd's own small allocations.
+    assert chain.bwd_tmp[2] == (32 * 32 + 32) * F32 + BACKWARD_SLACK
+    assert chain.bwd_tmp[1] == BACKWARD_SLACK  # ReLU's backward creates only the input gradient
 
 
 def test_conv_batchnorm_flatten_by_hand():
@@ -85,8 +86,8 @@ def test_conv_batchnorm_flatten_by_hand():
     # The no-grad forward still computes batch statistics, then drops them: with the per-channel temporaries of the
     # running-statistics update, four per-channel vectors are alive at once.
     assert chain.fwd_tmp[1] == 4 * 8 * F32
-    assert chain.fwd_tmp[3] == 0 and chain.bwd_tmp[3] == 0
-    assert chain.bwd_tmp[4] == (800 * 5 + 5) * F32
+    assert chain.fwd_tmp[3] == 0 and chain.bwd_tmp[3] == BACKWARD_SLACK
+    assert chain.bwd_tmp[4] == (800 * 5 + 5) * F32 + BACKWARD_SLACK
     model.eval()  # BatchNorm in eval mode saves no statistics
     assert quick(model, x).xbar[1] == act
 
@@ -230,12 +231,39 @@ def test_transit_bytes_are_found_freed_and_predicted(monkeypatch):
     assert kept - freed == y_bytes
 
 
+class _Broadcast(nn.Module):
+    """Hands on a broadcast view: 4 rows that share one row's storage (as repeat_kv's expand does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)[:, None, :].expand(-1, 4, -1)
+
+
+def test_gradient_sizes_are_measured():
+    """δ_1 is the gradient of a broadcast view, four times the bytes of its storage (x[1]); the input needs no
+    gradient, so B(0) makes none (delta[0] = 0); δ_L is the loss's gradient of the output. A store-all step measures
+    within its prediction (0.78 of it here: the expanded gradient is summed back into a 64 KiB one as it goes)."""
+    from hchain_viz.runtime.wrap import wrap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Broadcast(), nn.Linear(64, 16))
+    x = torch.randn(256, 64)
+    chain = profile(model, x, warmup=0, repeats=1, progress=False)
+    assert chain.x[1] == 256 * 64 * 4 and chain.delta[1] == 4 * chain.x[1]
+    assert chain.delta[0] == 0 and chain.delta[2] == chain.x[2] == 256 * 4 * 16 * 4
+    s = strategies.store_all(chain)
+    measured = measure(wrap(model, s), x, repeats=1).peak_bytes
+    assert 0.7 * hcv.simulate(chain, s).peak_memory <= measured <= hcv.simulate(chain, s).peak_memory
+
+
 @pytest.mark.parametrize("name", ["nanogpt", "gpt2", "llama"])
 def test_sublayer_predictions_bound_measured_peaks(name):
-    """Sub-layer chains (views of qkv, the residual stream handed on, the loss's log-softmax, transit bytes): every
-    schedule's measured peak within [0.8, 1.0] of its prediction, never above it; on LLaMA within 1.01 (at its least
-    budget the optimal schedule peaks in the backward of a qkv stage, measured 0.4% above the prediction: a gap in
-    that stage's backward transient, not in transit accounting, which frees exactly the chain's bytes at every Fall)."""
+    """Sub-layer chains (views of qkv, the residual stream handed on, the loss's log-softmax, transit bytes, the
+    gradients of broadcast views): every schedule's measured peak within [0.9, 1.0] of its prediction, never above
+    it."""
     from hchain_viz.runtime.graph import extract_stages
     from hchain_viz.runtime.wrap import wrap
 
@@ -259,7 +287,7 @@ def test_sublayer_predictions_bound_measured_peaks(name):
     for s in schedules:
         ratio = measure(wrap(seq, s), x, loss_fn, repeats=1).peak_bytes / hcv.simulate(chain, s).peak_memory
         print(f"{name} {s.meta.get('strategy')}: measured / predicted {ratio:.3f}")
-        assert 0.8 <= ratio <= (1.01 if name == "llama" else 1.0), (s.meta.get("strategy"), ratio)
+        assert 0.9 <= ratio <= 1.0, (s.meta.get("strategy"), ratio)
 
 
 @pytest.mark.cuda

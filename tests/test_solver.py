@@ -89,11 +89,17 @@ def with_transit(chain: hcv.Chain, transit) -> hcv.Chain:
 
 def random_transit_chain(seed: int, max_len: int = 5) -> hcv.Chain:
     """A small integer chain (with shared tensors on odd seeds) whose inner cuts carry transit bytes, often all
-    of what they may (so Fall sometimes frees more than it leaves)."""
+    of what they may (so Fall sometimes frees more than it leaves), and on every third seed gradients δ_i of their
+    own sizes (0 to twice x_i: none for ids, a broadcast view's is larger)."""
     chain = random_shared_chain(seed, max_len) if seed % 2 else random_int_chain(seed, max_len, zeros=False)
     rng = np.random.default_rng(seed + 1000)
     room = _transit_room(chain)
-    return with_transit(chain, [0] + [r if rng.random() < 0.4 else int(rng.integers(0, r + 1)) for r in room] + [0])
+    chain = with_transit(chain, [0] + [r if rng.random() < 0.4 else int(rng.integers(0, r + 1)) for r in room] + [0])
+    if seed % 3 == 0:
+        d = chain.to_dict()
+        d["delta"] = [int(rng.integers(0, 2 * v + 1)) for v in chain.x]
+        chain = hcv.Chain.from_dict(d)
+    return chain
 
 
 def _with_shared(chain: hcv.Chain, shared) -> hcv.Chain:
@@ -222,11 +228,19 @@ def test_optimum_equals_brute_force_with_transit(chain):
     _check_against_brute_force(chain)
 
 
-@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("seed", range(18))
 def test_optimum_equals_brute_force_with_transit_seeded(seed):
     chain = random_transit_chain(seed, max_len=4 + seed % 2)
     _check_against_brute_force(chain)
     assert solver.least_budget(chain) == oracles.brute_min_budget(chain)
+
+
+@pytest.mark.parametrize("seed", range(0, 18, 3))
+def test_kernel_equals_twin_with_gradient_sizes(seed):
+    """δ_i of their own sizes (chain.delta) read by the kernel exactly as by the twin."""
+    chain = random_transit_chain(seed, max_len=7)
+    assert chain.delta is not None and chain.delta != chain.x
+    _check_twin(chain, max(solver.store_all_peak(chain), 1), 31)
 
 
 def test_transit_lowers_the_optimum():
@@ -468,7 +482,7 @@ def test_tie_rule_prefers_no_recomputation():
     sol = exact(chain)
     out = np.empty((64, 2), np.int32)
     sz = sol._sizes
-    n = solver._kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], sol._Cch, sol._Dch, sol.slots - int(sz["x"][0]),
+    n = solver._kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], sol._Cch, sol._Dch, sol.slots - int(sz["x0"][0]),
                                      out)
     ops = tuple(Op(solver._KINDS[k], int(i)) for k, i in out[:n])
     assert ops == store_all(chain).ops

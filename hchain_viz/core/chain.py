@@ -60,7 +60,10 @@ class Chain:
 
     - ``fwd_time[i]`` (u_f): one forward of stage i; ``bwd_time[i]`` (u_b): its backward.
     - ``x[i]`` (ω_x), length L+1: bytes of the activation entering stage i; ``x[L]`` is the network output.
-      The gradient δ_i has the same size.
+    - ``delta[i]``, length L+1: bytes of the gradient δ_i, or None (the default): the same as ``x[i]``, also after
+      ``dataclasses.replace(chain, x=...)``. Read it as :attr:`delta_bytes`. A profile measures it: tensors that
+      need no gradient (token ids, masks) have none, and the gradient of a broadcast view (``expand``) or of several
+      views of one storage is larger than the storage.
     - ``xbar[i]`` (ω_x̄): bytes resident after a forward of stage i with autograd recording: its output plus what
       autograd saved for its backward, not counting ``x[i]``. Always ``xbar[i] >= x[i+1]``.
     - ``fwd_tmp[i]`` / ``bwd_tmp[i]``: transient bytes above the resident set during the forward / backward.
@@ -104,6 +107,7 @@ class Chain:
     tags: tuple[str, ...] = None  # type: ignore[assignment]  # default: "" for every stage
     shared: tuple[tuple[int, int, int], ...] = ()
     transit: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
+    delta: tuple[int, ...] | None = None  # None: as x (see delta_bytes)
     fixed: FixedMemory | None = None
     batch_fit: BatchFit | None = None
 
@@ -141,6 +145,8 @@ class Chain:
         set_(self, "tags", _tags(self.tags, L))
         set_(self, "shared", _shared(self.shared, self.x))
         set_(self, "transit", _transit(self.transit, self.x, self.shared, names))
+        if self.delta is not None:
+            set_(self, "delta", _ints(self.delta, "delta", L + 1))
         if self.fixed is not None:
             if not isinstance(self.fixed, FixedMemory):
                 raise InvalidChain(f"fixed must be a FixedMemory (or None), got {type(self.fixed).__name__}")
@@ -175,6 +181,11 @@ class Chain:
             "fwd_tmp": np.asarray(self.fwd_tmp, dtype=np.int64),
             "bwd_tmp": np.asarray(self.bwd_tmp, dtype=np.int64),
         }
+
+    @property
+    def delta_bytes(self) -> tuple[int, ...]:
+        """Bytes of each gradient δ_i (L+1 entries): ``delta`` when measured, else ``x``."""
+        return self.x if self.delta is None else self.delta
 
     @property
     def store_all_time(self) -> float:
@@ -234,6 +245,8 @@ class Chain:
             d["shared"] = [list(t) for t in self.shared]
         if any(self.transit):
             d["transit"] = list(self.transit)
+        if self.delta is not None:
+            d["delta"] = list(self.delta)
         if self.meta:
             d["meta"] = self.meta
         if self.fixed is not None:
@@ -260,6 +273,7 @@ class Chain:
             batch_fit=None if d.get("batch_fit") is None else BatchFit.from_dict(d["batch_fit"]),
             bandwidth=d.get("bandwidth"),
             groups=d.get("groups", ()), tags=d.get("tags"), shared=d.get("shared", ()), transit=d.get("transit"),
+            delta=d.get("delta"),
         )
 
     @classmethod

@@ -12,7 +12,7 @@ Resident items (``Item.kind``):
 - ``"out"``: the network output x_L, held by the caller from its first computation to the end of the step. When the
   first forward of stage L-1 is a ``Fall``, the output lives inside x̄_L, so that ``xbar`` item carries only
   ``xbar[L-1] - x[L]`` bytes beside it; a recomputed ``Fall(L-1)`` holds a full second copy.
-- ``"delta"``: a gradient δ_i (``x[i]`` bytes); δ_L is created by the loss.
+- ``"delta"``: a gradient δ_i (``chain.delta_bytes[i]`` bytes, ``x[i]`` unless profiled); δ_L is created by the loss.
 - ``"transit"``: the part of x_i that no backward needs (``chain.transit[i]`` bytes: made by stage i-1, saved by
   neither B(i-1) nor B(i), not handed on). It comes with the value that holds x_i (a plain ``x``, or the ``xbar`` of
   stage i-1, which carry it less) and goes after ``Fall(i)``, the last forward of stage i before B(i) (no forward of i
@@ -282,7 +282,7 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                 raise fail("the loss runs once per step")
             if ("out", L) not in res:
                 raise fail(f"the output x_{L} has not been computed (run every forward up to stage {L - 1} first)")
-            new = [(("delta", L), x[L])]
+            new = [(("delta", L), chain.delta_bytes[L])]
             tmp, dt = 0, 0.0
             loss_done = True
         elif i >= L:
@@ -298,7 +298,7 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
             if not _input_available(res, i):
                 raise fail(f"B{i} needs its input x_{i}, which is not resident")
             gone = [("delta", i + 1), ("xbar", i)] + ([("x", i)] if i > 0 and ("x", i) in res else [])
-            new = [(("delta", i), x[i])]
+            new = [(("delta", i), chain.delta_bytes[i])]
             tmp, dt = chain.bwd_tmp[i], chain.bwd_time[i]
             backward_done.add(i)
             kept.discard(i)

@@ -495,7 +495,7 @@ class Solution:
         self._Cch, self._Dch = Cch, Dch  # the choice tables (C rows: see _row); all a rebuild needs
         self._D0 = D0  # D[m, 0] as the kernel left it (m = budget in slots minus the slots of x_0)
         S = self.slots
-        sx0 = int(sizes["x"][0])
+        sx0 = int(sizes["x0"][0])
         # Best time per budget in slots s (x_0 included). Store-all time is a bound no schedule beats; values within
         # the tie margin of it (float reassociation) are snapped to it, so they agree with the store-all answer.
         t = np.full(S + 1, math.inf)
@@ -579,7 +579,7 @@ class Solution:
         L = self.chain.length
         out = np.empty((L * (L + 1) // 2 + L + 2, 2), np.int32)  # at most L(L+1)/2 forwards
         sz = self._sizes
-        n = _kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], self._Cch, self._Dch, s - int(sz["x"][0]), out)
+        n = _kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], self._Cch, self._Dch, s - int(sz["x0"][0]), out)
         if n < 0:  # cannot happen: a DP schedule has at most L(L+1)/2 forwards
             raise RuntimeError("internal error: schedule longer than its bound")
         kinds = [_KINDS[k] for k in out[:n, 0].tolist()]
@@ -682,7 +682,7 @@ def _check_slots(slots: Any) -> int:
 def dp_sizes(chain: Chain) -> dict[str, np.ndarray]:
     """The sizes the DP charges, in bytes (DESIGN §4, amended by §8 for ``chain.shared``).
 
-    - ``x`` (L+2 entries, ``x[L+1] = 0``): the gradients δ_i (never shared).
+    - ``x`` (L+2 entries, ``x[L+1] = 0``): the gradients δ_i (``chain.delta``, never shared); ``x0``: the input x_0.
     - ``xs[i, j]`` (i < j <= L): the part of the value x_j that is not in x_i: ``x[j]`` less the shared tensors that
       cross every cut ``i..j``. The DP charges a value x_j (a checkpoint, the held output) so while x_i, from which
       it was computed, is resident; the two then hold the same instance of those tensors (the simulator's rule).
@@ -700,7 +700,8 @@ def dp_sizes(chain: Chain) -> dict[str, np.ndarray]:
         span[first:last + 1, first:last + 1] += nbytes
     xs = np.triu(x[None, :] - span, 1)
     xbar = np.asarray(chain.xbar, dtype=np.int64) - span[np.arange(L), np.arange(1, L + 1)]
-    return {"x": np.append(x, 0), "xs": xs, "xbar": xbar, "fwd_tmp": np.asarray(chain.fwd_tmp, dtype=np.int64),
+    return {"x": np.append(np.asarray(chain.delta_bytes, dtype=np.int64), 0), "x0": x[:1], "xs": xs, "xbar": xbar,
+            "fwd_tmp": np.asarray(chain.fwd_tmp, dtype=np.int64),
             "bwd_tmp": np.asarray(chain.bwd_tmp, dtype=np.int64), "tr": np.asarray(chain.transit, dtype=np.int64)}
 
 
@@ -720,7 +721,7 @@ def _slot_sizes(chain: Chain, max_budget: int, slots: int) -> dict[str, np.ndarr
     out = {k: up(v) for k, v in sizes.items() if k != "tr"}
     tr = sizes["tr"]
     out["tr"] = np.minimum(tr if slots == max_budget else np.array([int(b) * slots // max_budget for b in tr],
-                                                                   dtype=np.int64), out["x"][:-1])
+                                                                   dtype=np.int64), up(np.asarray(chain.x, np.int64)))
     return out
 
 
@@ -740,7 +741,7 @@ def store_all_peak(chain: Chain) -> int:
 def least_budget(chain: Chain) -> int:
     """The least budget (bytes, exact) within which any schedule of ``chain`` fits."""
     z = dp_sizes(chain)
-    return int(z["x"][0] + _kernels()["least"](z["x"], z["xs"], z["xbar"], z["tr"], z["fwd_tmp"], z["bwd_tmp"]))
+    return int(z["x0"][0] + _kernels()["least"](z["x"], z["xs"], z["xbar"], z["tr"], z["fwd_tmp"], z["bwd_tmp"]))
 
 
 def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *, offload: bool = False,

@@ -94,6 +94,35 @@ def transit_storages(inputs: list[torch.Tensor], candidates: list[bool], saved: 
     return found
 
 
+def backward_handing_over(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Back-propagate the gradients into the outputs of ``pairs`` (output, gradient), handing both over to autograd:
+    the list is emptied, and with no other reference left (the caller's job) autograd frees each gradient and each
+    output it does not save as soon as it is done with it, as in eager mode. (``torch.autograd.backward(outs, grads)``
+    would keep them all alive to the end through its arguments.) Nothing to do for no pairs."""
+    if not pairs:
+        return
+    box = [tuple(g for _, g in pairs)]
+    with torch.enable_grad():
+        root = _Root.apply(box, *[o for o, _ in pairs])
+    pairs.clear()
+    torch.autograd.backward(root, torch.empty(0))
+
+
+class _Root(torch.autograd.Function):
+    """An empty tensor whose backward hands the gradients (kept only in ``box``) to the outputs."""
+
+    @staticmethod
+    def forward(ctx: Any, box: list, *outs: torch.Tensor) -> torch.Tensor:
+        ctx.box = box
+        return torch.empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = ctx.box.pop()
+        ctx.box = None
+        return (None, *grads)
+
+
 def copy_with_layout(t: torch.Tensor, copies: dict[int, tuple]) -> torch.Tensor:
     """A detached copy of ``t`` with its sizes, strides and storage offset, in a copy of its whole storage.
 

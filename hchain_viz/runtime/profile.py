@@ -10,13 +10,17 @@ own, in order, on the real output of the stage before (only one stage's autograd
 - ``xbar[i]``: the output plus what autograd saves for the backward, seen through
   ``torch.autograd.graph.saved_tensors_hooks``: each storage once, only storages the forward created (parameters,
   buffers, the stage input and constants are resident anyway).
+- ``delta[i]``: bytes of the gradient δ_i the backward of stage i leaves (``delta[L]``: the loss's gradient of
+  the output).
 - ``transit[i]``: bytes of x_i that no backward needs — storages stage i-1 made and neither its saved tensors nor
   stage i's hold, and that stage i does not hand on (the pre-softmax scores; q and k that an attention product copies
   before saving): the executor frees them once Fall(i) has run (``memtrack.transit_storages``).
 - ``fwd_tmp[i]``: peak bytes above the resident set during the forward, beyond what the forward leaves (largest of
   the recording forward and a no-grad one); ``bwd_tmp[i]``: the same for the backward, beyond the input gradient.
-  Measured by :class:`~hchain_viz.runtime.memtrack.MemoryMeter` (CUDA statistics, or the allocator's own log of
-  allocations and frees on the CPU, which leaves compiled stages compiled).
+  The backward is measured as the executor runs it, with δ_{i+1} and the outputs handed over to autograd (freed
+  as soon as it is done with them), plus ``BACKWARD_SLACK``. Measured by
+  :class:`~hchain_viz.runtime.memtrack.MemoryMeter` (CUDA statistics, or the allocator's own log of allocations and
+  frees on the CPU, which leaves compiled stages compiled).
 
 Profiling leaves the model exactly as found: parameters, buffers (BatchNorm statistics), ``.grad``, training flags
 and the global RNG state are the same afterwards. During profiling every parameter has a zero gradient of its own,
@@ -53,6 +57,7 @@ from .measure import (
 from .memtrack import (
     AllocationLog,
     MemoryMeter,
+    backward_handing_over,
     copy_with_layout,
     map_tensors,
     nbytes,
@@ -128,7 +133,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     L = len(stages)
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
     fwd_spread, bwd_spread = [0.0] * L, [0.0] * L
-    transit = [0] * (L + 1)
+    transit, delta = [0] * (L + 1), [0] * (L + 1)
     candidates: list[bool] = [False] * len(tensors(sample_input))  # x_0 is the caller's: never transit
     counts: list[tuple[int, int, int, int]] = []  # per stage, for estimate_for: fwd/bwd FLOPs and bytes
     bar = progress_bar(L, "profiling", "stage", enabled=progress)  # in a notebook, text once done
@@ -143,6 +148,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             r.candidates_in, r.own = candidates, [*stages[i][1].parameters(), *stages[i][1].buffers()]
             r.run(warmup, repeats)
             transit[i] = r.transit_in if i > 0 else 0
+            delta[i] = r.delta_in
             candidates = r.candidates_out
             fwd[i], bwd[i], xs[i + 1], xbar[i], ftmp[i], btmp[i] = (r.fwd_time, r.bwd_time, r.out_bytes, r.xbar,
                                                                    r.fwd_tmp, r.bwd_tmp)
@@ -193,10 +199,15 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     chain = Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
                   names=[n for n, _ in stages], meta=meta, fixed=fixed, groups=_groups(stages),
                   tags=[getattr(m, "tag", "") or "" for _, m in stages], shared=_shared(identity, sizes),
-                  transit=transit)
+                  transit=transit, delta=[*delta[:L], nbytes(r.grads)])
     _warn_if_noisy(chain)
     return chain
 
+
+# Bytes added to every backward transient for autograd's own small allocations, which a stage's backward measured
+# alone does not always make in a step (seen: 8 B in a compiled backward, 1,036 B in the joined backward of a LLaMA
+# layer): measured peaks must never exceed predictions. Negligible beside any real activation.
+BACKWARD_SLACK = 4096
 
 # Timings that varied more than this across repeats (step-time weighted) make profile() warn: the machine was busy.
 NOISY_SPREAD = 0.10
@@ -336,20 +347,25 @@ class _StageProfile:
             # Which output tensors the next stage's transit may hold: made here, not saved for this backward.
             not_made = saved_ptrs | {st.data_ptr() for t in [*ins, *self.own] if (st := storage_of(t)) is not None}
             self.candidates_out = [(st := storage_of(t)) is not None and st.data_ptr() not in not_made for t in outs]
-            del ins, outs, unneeded
+            del ins, outs, unneeded, out_storages
             if cuda_log is not None:
                 cuda_log.mark()
-            meter.mark()  # span 0: the recording forward; span 1: the backward
-            diff = [t for t in tensors(out) if t.requires_grad]
-            if diff:
-                torch.autograd.backward(diff, self.grads)
-            del out, diff
+            meter.mark()  # span 0: the recording forward; span 1: δ_{i+1}; span 2: the backward
+            # The backward as the executor runs it: δ_{i+1} and the outputs handed over, so autograd frees each once
+            # done with it (a copy of δ_{i+1} made inside the meter, so its early free is seen).
+            pairs = [(t, g.clone()) for t, g in zip((t for t in tensors(out) if t.requires_grad), self.grads)]
+            del out
+            meter.mark()
+            backward_handing_over(pairs)
+        # δ_i as the backward left it: a gradient per input tensor that needs one (none for ids and masks; the
+        # gradient of a broadcast view or of views of one storage is larger than the storage).
+        self.delta_in = nbytes([t.grad for t in tensors(self.h) if t.grad is not None])
         self._clear_input_grads()
         del inp
         log = cuda_log if cuda_log is not None else meter.log
         created = log.created_addresses(0)
         self.xbar = self.out_bytes + sum(size for ptr, size in set(kept.values()) if ptr in created)
-        fwd, bwd = meter.spans
+        fwd, _, bwd = meter.spans
         fwd_peak, bwd_peak = fwd.peak, bwd.peak - bwd.start
 
         inp = self._input()
@@ -363,7 +379,7 @@ class _StageProfile:
         passed = self.passed_bytes
         self.fwd_tmp = max(0, fwd_peak - (self.xbar - passed), nograd_peak - (self.out_bytes - passed))
         # The last stage's backward runs right after the loss's: its transient covers the loss's (see _probe).
-        self.bwd_tmp = max(0, bwd_peak - self.in_bytes, self.loss_tmp)
+        self.bwd_tmp = max(0, bwd_peak - self.in_bytes, self.loss_tmp) + BACKWARD_SLACK
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -32,7 +32,7 @@ from ..core.schedule import Schedule
 from ..core.simulate import simulate
 from ..errors import HChainError, InvalidSchedule, NotSequentialError
 from .compiled import check_not_compiled, compile_options, compile_stage, describe
-from .memtrack import cuda_devices, transit_storages
+from .memtrack import backward_handing_over, cuda_devices, transit_storages
 from .stages import sequentialize
 from .transfer import Link, box_holder, data_holder, storage_key
 
@@ -101,6 +101,8 @@ class ScheduledModule(nn.Module):
         # Learned across steps: does stage i write into its input (None: not seen yet)? Which of its input tensors
         # need a gradient (None: assume every floating-point one)?
         self._mutates: list[bool | None] = [None] * self.length
+        # Per stage: whether its forward draws random numbers (None: not seen yet; relearned after train()).
+        self._draws: list[bool | None] = [None] * self.length
         self._grad_mask: list[list[bool] | None] = [None] * (self.length + 1)
         try:
             stages = sequentialize(model)
@@ -162,6 +164,7 @@ class ScheduledModule(nn.Module):
 
     def train(self, mode: bool = True) -> ScheduledModule:
         super().train(mode)
+        self._draws = [None] * self.length  # dropout may come and go with the mode: look again
         for m in self._stage_modules:  # wrappers made by sequentialize (not registered) follow the model's mode
             m.training = mode
         return self
@@ -368,13 +371,7 @@ class _Step:
                 self.xbar[j] = _SPENT
             pairs = [(o, g) for o, g in zip(_flatten(out)[0], delta_next) if g is not None and o.requires_grad]
             del out, delta_next
-            if pairs:
-                box = [tuple(g for _, g in pairs)]
-                with torch.enable_grad():
-                    root = _Root.apply(box, *[o for o, _ in pairs])
-                del pairs
-                torch.autograd.backward(root, torch.empty(0))
-                del root
+            backward_handing_over(pairs)
             self.group_delta = [t.grad if t is not None and t.requires_grad else None for t in leaves]
             del leaves
         del self.xbar[i]
@@ -405,12 +402,17 @@ class _Step:
         if role == _ONLY:
             return stage(feed)
         if role == _FIRST:
-            if self.m.preserve_rng_state:
-                self.rng[i] = self._rng_state()
+            draws = self.m._draws[i]
+            rng = self._rng_state() if self.m.preserve_rng_state and draws is not False else None
             buffers = self.m._stage_buffers[i]
             before = [mod._buffers[name] for mod, name in buffers]
             versions = [b._version for b in before]
             out = stage(feed)
+            if rng is not None:
+                if draws is None:  # learned once: a CPU generator state is 5 KB that the memory model does not count
+                    draws = self.m._draws[i] = not _same_state(rng, self._rng_state())
+                if draws:
+                    self.rng[i] = rng  # its replays draw the same random numbers
             updated = [(mod, name) for (mod, name), b, v in zip(buffers, before, versions)
                        if mod._buffers[name] is not b or b._version != v]
             self.updated_buffers[i] = list(dict.fromkeys(updated + self.m._stats_buffers[i]))
@@ -419,13 +421,9 @@ class _Step:
             return stage(feed)
 
     def _rng_state(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The global RNG state now, sharing the tensors of the last one taken when nothing drew a random number
-        since (a CPU generator state is 5 KB: stages without randomness then keep one copy between them)."""
-        state = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices])
-        last = next(reversed(self.rng.values()), None)
-        if last is not None and torch.equal(last[0], state[0]) and all(map(torch.equal, last[1], state[1])):
-            return last
-        return state
+        """The global RNG state now. Only stages that draw random numbers keep one for their replays (a stage
+        without randomness replays as it is)."""
+        return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices]
 
     @contextlib.contextmanager
     def _replaying(self, i: int) -> Iterator[None]:
@@ -465,6 +463,10 @@ class _Step:
         for device, dtype in self.autocast:
             stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=self.autocast_cache and grad))
         return stack
+
+
+def _same_state(a: tuple[torch.Tensor, list[torch.Tensor]], b: tuple[torch.Tensor, list[torch.Tensor]]) -> bool:
+    return torch.equal(a[0], b[0]) and all(map(torch.equal, a[1], b[1]))
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -522,21 +524,6 @@ class _Output(torch.autograd.Function):
         if step is not None:
             step.delta[step.L] = list(grads)
         return None, torch.empty(0)
-
-
-class _Root(torch.autograd.Function):
-    """The root of B(i): an empty tensor whose backward hands δ_{i+1} (kept only in ``box``) to the stage outputs."""
-
-    @staticmethod
-    def forward(ctx: Any, box: list, *outs: torch.Tensor) -> torch.Tensor:
-        ctx.box = box
-        return torch.empty(0)
-
-    @staticmethod
-    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grads = ctx.box.pop()
-        ctx.box = None
-        return (None, *grads)
 
 
 class _Alias(torch.autograd.Function):
