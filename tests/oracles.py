@@ -169,7 +169,8 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
     groups = _hold(chain, groups, holder, i + 1, source)
     res.update(new)
     during = State(frozenset(res), state.loss_done, state.bwd_done, state.kept, groups)
-    peak = memory(during, chain) + chain.fwd_tmp[i]  # for Fn, the input is still counted during the op
+    # for Fn, the input is still counted during the op; a forward without autograd has its own transient
+    peak = memory(during, chain) + (chain.fwd_tmp[i] if kind == "Fall" else chain.nograd_tmp_bytes[i])
     if kind == "Fn":
         if i == 0 or not _has(state, "x", i) or (i in state.kept and not relaxed):
             return None
@@ -330,7 +331,8 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
 
     xs = {(i, j): up(chain.x[j] - common(i, j)) for i in range(L + 1) for j in range(i + 1, L + 1)}  # x_j beside x_i
     xbar = [up(chain.xbar[i] - common(i, i + 1)) for i in range(L)]  # x̄_{i+1} beside x_i
-    ftmp = [up(v) for v in chain.fwd_tmp]
+    ftmp = [up(v) for v in chain.fwd_tmp]  # of a Fall
+    ntmp = [up(v) for v in chain.nograd_tmp_bytes]  # of a Fck or Fn
     btmp = [up(v) for v in chain.bwd_tmp]
     tr = [min(v * S // max_budget, up(chain.x[i])) for i, v in enumerate(chain.transit)]  # freed: rounded down
     fwd, bwd = chain.fwd_time, chain.bwd_time
@@ -349,8 +351,9 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
         return (via_chain, 0) if via_chain < INF else (INF, -1)
 
     def sweep_peak(i: int, end: int) -> int:
-        """The first forward of each stage i..end-1 holds its input and output beside x_i: their parts not in x_i."""
-        return max([xs[(i, i + 1)] + ftmp[i]] + [xs[(i, k)] + xs[(k, k + 1)] + ftmp[k] for k in range(i + 1, end)])
+        """The first forward of each stage i..end-1 (a Fck or Fn) holds its input and output beside x_i: their parts
+        not in x_i."""
+        return max([xs[(i, i + 1)] + ntmp[i]] + [xs[(i, k)] + xs[(k, k + 1)] + ntmp[k] for k in range(i + 1, end)])
 
     # Spans outermost, m innermost: the chain option reads its sub-chain at m - (xbar[i] - tr[i]), which is above m
     # when Fall(i) frees more transit bytes than it leaves (read at most at S: rows never increase with m).
@@ -389,7 +392,7 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
             leaves = [sum(fwd[i:j]) + D[(m - xs[(i, j)], j)] + C[(m - held, i, j - 1)]
                       if m >= xs[(i, j)] and m >= held and m >= sweep_peak(i, j) else INF for j in range(i + 1, L + 1)]
             D[(m, i)], Dch[(m, i)] = pick(via_chain, leaves, i)
-    sizes = {"x": x, "xs": xs, "xbar": xbar, "tr": tr, "fwd_tmp": ftmp, "bwd_tmp": btmp}
+    sizes = {"x": x, "xs": xs, "xbar": xbar, "tr": tr, "fwd_tmp": ftmp, "nograd_tmp": ntmp, "bwd_tmp": btmp}
     return Twin(C, Cch, D, Dch, sizes, S, up(chain.x[0]))
 
 

@@ -248,11 +248,16 @@ def test_structure_fields_round_trip_and_default():
     assert "groups" not in plain.to_dict() and "tags" not in plain.to_dict() and "shared" not in plain.to_dict()
 
 
-def test_transit_and_gradient_sizes_round_trip_default_and_validate():
+def test_transit_gradient_sizes_and_nograd_transients_round_trip_default_and_validate():
     base = dict(fwd_time=[1, 1, 1], bwd_time=[2, 2, 2], x=[4, 6, 6, 4], xbar=[8, 8, 4], shared=[(1, 2, 3)])
     plain = Chain(**base)
     assert plain.transit == (0, 0, 0, 0) and plain.delta is None and plain.delta_bytes == plain.x
     assert replace(plain, x=[4, 8, 8, 4]).delta_bytes == (4, 8, 8, 4)  # follows x
+    assert plain.nograd_tmp is None and plain.nograd_tmp_bytes == plain.fwd_tmp
+    assert "nograd_tmp" not in plain.to_dict()
+    assert Chain.from_json(Chain(**base, nograd_tmp=[5, 0, 1]).to_json()).nograd_tmp_bytes == (5, 0, 1)
+    with pytest.raises(InvalidChain, match="nograd_tmp"):
+        Chain(**base, nograd_tmp=[1, 2])
     assert "transit" not in plain.to_dict() and "delta" not in plain.to_dict()  # old chain files load unchanged
     c = Chain(**base, transit=[0, 3, 2, 0], delta=[0, 12, 6, 4])
     back = Chain.from_json(c.to_json())

@@ -72,9 +72,15 @@ def shared_int_chains(draw, max_len: int = 5) -> hcv.Chain:
 @st.composite
 def transit_int_chains(draw, max_len: int = 5) -> hcv.Chain:
     """:func:`small_int_chains` or :func:`shared_int_chains` with transit bytes (the part of x_i that Fall(i)
-    frees) at some inner cuts, up to all that no shared tensor holds there."""
+    frees) at some inner cuts, up to all that no shared tensor holds there, and maybe gradients of their own sizes and
+    no-grad transients."""
     chain = draw(st.one_of(small_int_chains(max_len=max_len, max_size=4), shared_int_chains(max_len=max_len)))
-    return with_transit(chain, [0] + [draw(st.integers(0, room)) for room in _transit_room(chain)] + [0])
+    chain = with_transit(chain, [0] + [draw(st.integers(0, room)) for room in _transit_room(chain)] + [0])
+    d = chain.to_dict()
+    L = chain.length
+    d["delta"] = draw(st.one_of(st.none(), st.lists(st.integers(0, 6), min_size=L + 1, max_size=L + 1)))
+    d["nograd_tmp"] = draw(st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=L, max_size=L)))
+    return hcv.Chain.from_dict(d)
 
 
 def _transit_room(chain: hcv.Chain) -> list[int]:
@@ -89,17 +95,18 @@ def with_transit(chain: hcv.Chain, transit) -> hcv.Chain:
 
 def random_transit_chain(seed: int, max_len: int = 5) -> hcv.Chain:
     """A small integer chain (with shared tensors on odd seeds) whose inner cuts carry transit bytes, often all
-    of what they may (so Fall sometimes frees more than it leaves), and on every third seed gradients δ_i of their
-    own sizes (0 to twice x_i: none for ids, a broadcast view's is larger)."""
+    of what they may (so Fall sometimes frees more than it leaves), on every third seed gradients δ_i of their
+    own sizes (0 to twice x_i: none for ids, a broadcast view's is larger), on even seeds no-grad transients."""
     chain = random_shared_chain(seed, max_len) if seed % 2 else random_int_chain(seed, max_len, zeros=False)
     rng = np.random.default_rng(seed + 1000)
     room = _transit_room(chain)
     chain = with_transit(chain, [0] + [r if rng.random() < 0.4 else int(rng.integers(0, r + 1)) for r in room] + [0])
+    d = chain.to_dict()
     if seed % 3 == 0:
-        d = chain.to_dict()
         d["delta"] = [int(rng.integers(0, 2 * v + 1)) for v in chain.x]
-        chain = hcv.Chain.from_dict(d)
-    return chain
+    if seed % 2 == 0:  # forwards without autograd with transients of their own (larger or smaller)
+        d["nograd_tmp"] = [int(rng.integers(0, 4)) for _ in chain.fwd_tmp]
+    return hcv.Chain.from_dict(d)
 
 
 def _with_shared(chain: hcv.Chain, shared) -> hcv.Chain:
@@ -235,11 +242,11 @@ def test_optimum_equals_brute_force_with_transit_seeded(seed):
     assert solver.least_budget(chain) == oracles.brute_min_budget(chain)
 
 
-@pytest.mark.parametrize("seed", range(0, 18, 3))
+@pytest.mark.parametrize("seed", range(0, 36, 6))
 def test_kernel_equals_twin_with_gradient_sizes(seed):
-    """δ_i of their own sizes (chain.delta) read by the kernel exactly as by the twin."""
+    """δ_i of their own sizes (chain.delta) and no-grad transients read by the kernel exactly as by the twin."""
     chain = random_transit_chain(seed, max_len=7)
-    assert chain.delta is not None and chain.delta != chain.x
+    assert chain.delta is not None and chain.delta != chain.x and chain.nograd_tmp is not None
     _check_twin(chain, max(solver.store_all_peak(chain), 1), 31)
 
 
@@ -343,7 +350,8 @@ def _tables(chain: hcv.Chain, slots: int, threads: int) -> tuple[np.ndarray, ...
     rows = L * (L + 1) // 2
     C, Cch = np.empty((rows, slots + 1)), np.empty((rows, slots + 1), np.int16)
     D, Dch = np.empty((L + 1, slots + 1)), np.empty((L + 1, slots + 1), np.int16)
-    solver._kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["fwd_tmp"], sizes["bwd_tmp"],
+    solver._kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["fwd_tmp"],
+                              sizes["nograd_tmp"], sizes["bwd_tmp"],
                               arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, threads)
     return C, Cch, D, Dch
 

@@ -122,11 +122,14 @@ def at_batch(chain: Chain, batch: int) -> Chain:
     # Transit bytes are a part of x[i]: the same share of it at every batch size (rounded down: they are freed).
     transit = [t * x[i] // chain.x[i] if chain.x[i] else 0 for i, t in enumerate(chain.transit)]
     transit = [min(t, x[i] - sum(s for f, la, s in shared if f <= i <= la)) for i, t in enumerate(transit)]
-    # A gradient's size follows its value's (rounded up: gradients are charged).
-    delta = None if chain.delta is None else [
-        -(-d * x[i] // chain.x[i]) if chain.x[i] else d for i, d in enumerate(chain.delta)]
+    # A gradient's size and the no-grad transient follow the stage input's size (rounded up: both are charged).
+    def scaled(values: tuple[int, ...] | None) -> list[int] | None:
+        return None if values is None else [-(-v * x[i] // chain.x[i]) if chain.x[i] else v
+                                            for i, v in enumerate(values)]
+
     return replace(chain, fwd_time=v["fwd_time"], bwd_time=v["bwd_time"], x=x, xbar=xbar, shared=shared,
-                   transit=[max(0, t) for t in transit], delta=delta, fwd_tmp=[_whole(s) for s in v["fwd_tmp"]],
+                   transit=[max(0, t) for t in transit], delta=scaled(chain.delta),
+                   nograd_tmp=scaled(chain.nograd_tmp), fwd_tmp=[_whole(s) for s in v["fwd_tmp"]],
                    bwd_tmp=[_whole(s) for s in v["bwd_tmp"]],
                    batch_fit=replace(chain.batch_fit, batch=b))
 

@@ -66,7 +66,10 @@ class Chain:
       views of one storage is larger than the storage.
     - ``xbar[i]`` (ω_x̄): bytes resident after a forward of stage i with autograd recording: its output plus what
       autograd saved for its backward, not counting ``x[i]``. Always ``xbar[i] >= x[i+1]``.
-    - ``fwd_tmp[i]`` / ``bwd_tmp[i]``: transient bytes above the resident set during the forward / backward.
+    - ``fwd_tmp[i]`` / ``bwd_tmp[i]``: transient bytes above the resident set during the forward (with autograd:
+      a ``Fall``) / backward.
+    - ``nograd_tmp[i]``: the same during a forward without autograd (``Fck``, ``Fn``), whose intermediates die as
+      they go instead of being saved; None (the default): as ``fwd_tmp``. Read it as :attr:`nograd_tmp_bytes`.
     - ``names[i]``: a label (module name).
     - ``fixed`` (optional): the memory no schedule changes — parameters, gradients, optimizer state, buffers and the
       optimizer step's transient, with a sharding factor (:class:`~hchain_viz.core.fixed.FixedMemory`, DESIGN §7).
@@ -108,6 +111,7 @@ class Chain:
     shared: tuple[tuple[int, int, int], ...] = ()
     transit: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
     delta: tuple[int, ...] | None = None  # None: as x (see delta_bytes)
+    nograd_tmp: tuple[int, ...] | None = None  # None: as fwd_tmp (see nograd_tmp_bytes)
     fixed: FixedMemory | None = None
     batch_fit: BatchFit | None = None
 
@@ -147,6 +151,8 @@ class Chain:
         set_(self, "transit", _transit(self.transit, self.x, self.shared, names))
         if self.delta is not None:
             set_(self, "delta", _ints(self.delta, "delta", L + 1))
+        if self.nograd_tmp is not None:
+            set_(self, "nograd_tmp", _ints(self.nograd_tmp, "nograd_tmp", L))
         if self.fixed is not None:
             if not isinstance(self.fixed, FixedMemory):
                 raise InvalidChain(f"fixed must be a FixedMemory (or None), got {type(self.fixed).__name__}")
@@ -186,6 +192,12 @@ class Chain:
     def delta_bytes(self) -> tuple[int, ...]:
         """Bytes of each gradient δ_i (L+1 entries): ``delta`` when measured, else ``x``."""
         return self.x if self.delta is None else self.delta
+
+    @property
+    def nograd_tmp_bytes(self) -> tuple[int, ...]:
+        """Transient bytes of each stage's forward without autograd: ``nograd_tmp`` when measured, else
+        ``fwd_tmp``."""
+        return self.fwd_tmp if self.nograd_tmp is None else self.nograd_tmp
 
     @property
     def store_all_time(self) -> float:
@@ -247,6 +259,8 @@ class Chain:
             d["transit"] = list(self.transit)
         if self.delta is not None:
             d["delta"] = list(self.delta)
+        if self.nograd_tmp is not None:
+            d["nograd_tmp"] = list(self.nograd_tmp)
         if self.meta:
             d["meta"] = self.meta
         if self.fixed is not None:
@@ -273,7 +287,7 @@ class Chain:
             batch_fit=None if d.get("batch_fit") is None else BatchFit.from_dict(d["batch_fit"]),
             bandwidth=d.get("bandwidth"),
             groups=d.get("groups", ()), tags=d.get("tags"), shared=d.get("shared", ()), transit=d.get("transit"),
-            delta=d.get("delta"),
+            delta=d.get("delta"), nograd_tmp=d.get("nograd_tmp"),
         )
 
     @classmethod

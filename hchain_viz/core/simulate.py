@@ -336,7 +336,8 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                         raise fail(f"x_{i} is a checkpoint kept by an earlier Fck{i}; checkpoints stay until B{i} "
                                    f"(use Fck{i})")
                     gone = [("x", i)]
-            tmp, dt = chain.fwd_tmp[i], chain.fwd_time[i]
+            tmp = chain.fwd_tmp[i] if kind == "Fall" else chain.nograd_tmp_bytes[i]
+            dt = chain.fwd_time[i]
         recompute = kind in ("Fck", "Fn", "Fall") and i in forwarded
         if kind in ("Fck", "Fn", "Fall"):
             forwarded.add(i)

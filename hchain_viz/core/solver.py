@@ -108,7 +108,7 @@ def _sub_at(m, shift, top):  # pragma: no cover - runs compiled
     return min(m - shift, top)
 
 
-def _bounds(x, xs, xbar, tr, ftmp, btmp, G, LOC, SAT):  # pragma: no cover - runs compiled
+def _bounds(x, xs, xbar, tr, ftmp, ntmp, btmp, G, LOC, SAT):  # pragma: no cover - runs compiled
     """Per pair (i, l), in slots: ``G`` the guard (DESIGN §4: the forwards of stages i..l-1 that run before Fall(i),
     while x_i is whole and δ_{l+1} resident; a leaf option with its checkpoint at j needs the part for stages
     i..j-1, ``G[i, j] - x[j+1] + x[l+1]``), ``LOC`` the least m of the chain option (the base case when i == l),
@@ -121,10 +121,10 @@ def _bounds(x, xs, xbar, tr, ftmp, btmp, G, LOC, SAT):  # pragma: no cover - run
         LOC[i, i] = max(x[i + 1] + xbar[i] + ftmp[i], need_b)  # base: Fall(i) with δ_{i+1} resident, B(i)
         SAT[i, i] = LOC[i, i]
         G[i, i] = 0
-        run = xs[i, i + 1] + ftmp[i]  # Fck(i): x_i is the caller's
+        run = xs[i, i + 1] + ntmp[i]  # Fck(i): x_i is the caller's
         for l in range(i + 1, L):  # noqa: E741
             if l - 1 > i:  # a later forward holds its input and output (their parts not in x_i)
-                run = max(run, xs[i, l - 1] + xs[l - 1, l] + ftmp[l - 1])
+                run = max(run, xs[i, l - 1] + xs[l - 1, l] + ntmp[l - 1])
             G[i, l] = run + x[l + 1]
             # Chain option: Fall(i) while δ_{l+1} is resident, [i+1..l] within m - (xbar[i] - tr[i]), then B(i),
             # by when the sub-chain's Fall(i+1) has freed the transit part of the x_{i+1} inside x̄_{i+1}. (The
@@ -235,7 +235,7 @@ def _finish(C, Cch, u, F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, ilo, i,
             cho[m] = _NONE
 
 
-def _fill_table(x, xs, xbar, tr, ftmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # pragma: no cover - runs compiled
+def _fill_table(x, xs, xbar, tr, ftmp, ntmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # pragma: no cover
     """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices.
     Sizes in slots (see ``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes the gradients δ; ``xs[i, j]`` the
     part of x_j not in x_i, what a value x_j costs while x_i is resident (DESIGN §8); ``xbar`` the part of x̄_{i+1} not
@@ -261,7 +261,7 @@ def _fill_table(x, xs, xbar, tr, ftmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):
     G = np.empty((L, L), np.int64)
     LOC = np.empty((L, L), np.int64)
     SAT = np.empty((L, L), np.int64)
-    _bounds(x, xs, xbar, tr, ftmp, btmp, G, LOC, SAT)
+    _bounds(x, xs, xbar, tr, ftmp, ntmp, btmp, G, LOC, SAT)
     B = _BLOCK
     T = _TILE
     F = np.empty((B, L + 1))  # F[i - ilo, j] = fwd[i] + ... + fwd[j-1], summed in that order
@@ -314,14 +314,14 @@ def _fill_table(x, xs, xbar, tr, ftmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):
         cho = Dch[i]
         out[:] = inf
         cho[:] = _CHAIN
-        g = xs[i, i + 1] + ftmp[i]  # the guard: forwards of i..j-1 before Fall(i), with x_i whole
+        g = xs[i, i + 1] + ntmp[i]  # the guard: forwards of i..j-1 before Fall(i), with x_i whole
         xL = xs[i, L]  # the held output, less what x_i holds of it
         # Leaf options: Fck(i) Fn(i+1..j-1), [j..L] with x_j charged, then [i..j-1] after the loss, with the held
         # output x_L charged.
         fs = 0.0
         for j in range(i + 1, L + 1):
             if j - 1 > i:
-                g = max(g, xs[i, j - 1] + xs[j - 1, j] + ftmp[j - 1])
+                g = max(g, xs[i, j - 1] + xs[j - 1, j] + ntmp[j - 1])
             fs += fwd[j - 1]
             xj = xs[i, j]
             lo = max(g, xj, xL)
@@ -408,7 +408,7 @@ def _rebuild(xs, xbar, tr, Cch, Dch, m0, out):  # pragma: no cover - runs compil
     return n
 
 
-def _least_memory(x, xs, xbar, tr, ftmp, btmp):  # pragma: no cover - runs compiled
+def _least_memory(x, xs, xbar, tr, ftmp, ntmp, btmp):  # pragma: no cover - runs compiled
     """The least m for which ``D[m, 0]`` is finite: the same recurrences with feasibility thresholds composed by
     ``max`` (all of an option's conditions) and ``min`` (the best option). O(L^3), no slots."""
     L = xbar.shape[0]
@@ -422,10 +422,10 @@ def _least_memory(x, xs, xbar, tr, ftmp, btmp):  # pragma: no cover - runs compi
                 Cm[i, l] = max(x[i + 1] + xbar[i] + ftmp[i], need_b)
                 continue
             best = max(x[l + 1] + xbar[i] + ftmp[i], need_b - tr[i + 1], xbar[i] - tr[i] + Cm[i + 1, l])
-            g = xs[i, i + 1] + ftmp[i]  # the leaf's guard: forwards of i..j-1 with x_i whole
+            g = xs[i, i + 1] + ntmp[i]  # the leaf's guard: forwards of i..j-1 with x_i whole
             for j in range(i + 1, l + 1):
                 if j - 1 > i:
-                    g = max(g, xs[i, j - 1] + xs[j - 1, j] + ftmp[j - 1])
+                    g = max(g, xs[i, j - 1] + xs[j - 1, j] + ntmp[j - 1])
                 best = min(best, max(g + x[l + 1], xs[i, j] + Cm[j, l], Cm[i, j - 1]))
             Cm[i, l] = best
     Dm = np.empty(L + 1, np.int64)
@@ -434,10 +434,10 @@ def _least_memory(x, xs, xbar, tr, ftmp, btmp):  # pragma: no cover - runs compi
         xL = xs[i, L]
         need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L]) - tr[i] - tr[i + 1]
         best = max(xbar[i] + ftmp[i], need_b, xbar[i] - tr[i] + Dm[i + 1])
-        g = xs[i, i + 1] + ftmp[i]
+        g = xs[i, i + 1] + ntmp[i]
         for j in range(i + 1, L + 1):
             if j - 1 > i:
-                g = max(g, xs[i, j - 1] + xs[j - 1, j] + ftmp[j - 1])
+                g = max(g, xs[i, j - 1] + xs[j - 1, j] + ntmp[j - 1])
             best = min(best, max(g, xs[i, j] + Dm[j], xL + Cm[i, j - 1]))
         Dm[i] = min(best, big)
     return Dm[0]
@@ -688,7 +688,7 @@ def dp_sizes(chain: Chain) -> dict[str, np.ndarray]:
       it was computed, is resident; the two then hold the same instance of those tensors (the simulator's rule).
     - ``xbar[i]``: x̄_{i+1} less the shared tensors it has in common with x_i. Exact: x_i stays resident from
       Fall(i) to B(i) (B(i) needs it; nothing frees it before: Fn(i) cannot run while x_{i+1} is resident).
-    - ``fwd_tmp``, ``bwd_tmp``: as in the chain.
+    - ``fwd_tmp`` (of a Fall), ``nograd_tmp`` (of a Fck or Fn: ``chain.nograd_tmp_bytes``), ``bwd_tmp``.
     - ``tr`` (L+1 entries): ``chain.transit``, the part of x_i that Fall(i) frees (never shared: not handed on).
 
     With ``chain.shared == ()`` these are the chain's own sizes (``xs[i, j] == x[j]``).
@@ -702,6 +702,7 @@ def dp_sizes(chain: Chain) -> dict[str, np.ndarray]:
     xbar = np.asarray(chain.xbar, dtype=np.int64) - span[np.arange(L), np.arange(1, L + 1)]
     return {"x": np.append(np.asarray(chain.delta_bytes, dtype=np.int64), 0), "x0": x[:1], "xs": xs, "xbar": xbar,
             "fwd_tmp": np.asarray(chain.fwd_tmp, dtype=np.int64),
+            "nograd_tmp": np.asarray(chain.nograd_tmp_bytes, dtype=np.int64),
             "bwd_tmp": np.asarray(chain.bwd_tmp, dtype=np.int64), "tr": np.asarray(chain.transit, dtype=np.int64)}
 
 
@@ -741,7 +742,8 @@ def store_all_peak(chain: Chain) -> int:
 def least_budget(chain: Chain) -> int:
     """The least budget (bytes, exact) within which any schedule of ``chain`` fits."""
     z = dp_sizes(chain)
-    return int(z["x0"][0] + _kernels()["least"](z["x"], z["xs"], z["xbar"], z["tr"], z["fwd_tmp"], z["bwd_tmp"]))
+    return int(z["x0"][0] + _kernels()["least"](z["x"], z["xs"], z["xbar"], z["tr"], z["fwd_tmp"], z["nograd_tmp"],
+                                                z["bwd_tmp"]))
 
 
 def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *, offload: bool = False,
@@ -786,7 +788,8 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     Dch = np.empty((L + 1, slots + 1), choice_type)
     k = _kernels()
     with _FILL_LOCK:
-        k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["fwd_tmp"], sizes["bwd_tmp"],
+        k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["fwd_tmp"], sizes["nograd_tmp"],
+                  sizes["bwd_tmp"],
                   arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, k["threads"]())
     D0 = D[0].copy()
     del C, D  # only the choices (and the answers D[., 0]) are kept

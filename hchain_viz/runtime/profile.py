@@ -15,8 +15,9 @@ own, in order, on the real output of the stage before (only one stage's autograd
 - ``transit[i]``: bytes of x_i that no backward needs — storages stage i-1 made and neither its saved tensors nor
   stage i's hold, and that stage i does not hand on (the pre-softmax scores; q and k that an attention product copies
   before saving): the executor frees them once Fall(i) has run (``memtrack.transit_storages``).
-- ``fwd_tmp[i]``: peak bytes above the resident set during the forward, beyond what the forward leaves (largest of
-  the recording forward and a no-grad one); ``bwd_tmp[i]``: the same for the backward, beyond the input gradient.
+- ``fwd_tmp[i]``: peak bytes above the resident set during the recording forward (a ``Fall``), beyond what it
+  leaves; ``nograd_tmp[i]``: the same for a forward without autograd (``Fck``, ``Fn``), whose intermediates are not
+  saved; ``bwd_tmp[i]``: the same for the backward, beyond the input gradient.
   The backward is measured as the executor runs it, with δ_{i+1} and the outputs handed over to autograd (freed
   as soon as it is done with them), plus ``BACKWARD_SLACK``. Measured by
   :class:`~hchain_viz.runtime.memtrack.MemoryMeter` (CUDA statistics, or the allocator's own log of allocations and
@@ -132,6 +133,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
 
     L = len(stages)
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
+    ntmp = [0] * L
     fwd_spread, bwd_spread = [0.0] * L, [0.0] * L
     transit, delta = [0] * (L + 1), [0] * (L + 1)
     candidates: list[bool] = [False] * len(tensors(sample_input))  # x_0 is the caller's: never transit
@@ -148,7 +150,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             r.candidates_in, r.own = candidates, [*stages[i][1].parameters(), *stages[i][1].buffers()]
             r.run(warmup, repeats)
             transit[i] = r.transit_in if i > 0 else 0
-            delta[i] = r.delta_in
+            delta[i], ntmp[i] = r.delta_in, r.nograd_tmp
             candidates = r.candidates_out
             fwd[i], bwd[i], xs[i + 1], xbar[i], ftmp[i], btmp[i] = (r.fwd_time, r.bwd_time, r.out_bytes, r.xbar,
                                                                    r.fwd_tmp, r.bwd_tmp)
@@ -199,7 +201,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     chain = Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
                   names=[n for n, _ in stages], meta=meta, fixed=fixed, groups=_groups(stages),
                   tags=[getattr(m, "tag", "") or "" for _, m in stages], shared=_shared(identity, sizes),
-                  transit=transit, delta=[*delta[:L], nbytes(r.grads)])
+                  transit=transit, delta=[*delta[:L], nbytes(r.grads)], nograd_tmp=ntmp)
     _warn_if_noisy(chain)
     return chain
 
@@ -377,7 +379,8 @@ class _StageProfile:
         # Transients above what the forward leaves that it allocated itself (x̄ less the tensors handed on: the
         # simulator charges those once, as part of the input).
         passed = self.passed_bytes
-        self.fwd_tmp = max(0, fwd_peak - (self.xbar - passed), nograd_peak - (self.out_bytes - passed))
+        self.fwd_tmp = max(0, fwd_peak - (self.xbar - passed))
+        self.nograd_tmp = max(0, nograd_peak - (self.out_bytes - passed))
         # The last stage's backward runs right after the loss's: its transient covers the loss's (see _probe).
         self.bwd_tmp = max(0, bwd_peak - self.in_bytes, self.loss_tmp) + BACKWARD_SLACK
 

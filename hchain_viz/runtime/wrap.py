@@ -189,7 +189,7 @@ class _Step:
         self.x: dict[int, Any] = {0: x0}
         self.xbar: dict[int, tuple[list[torch.Tensor | None], Any]] = {}
         self.delta: dict[int, list[torch.Tensor | None]] = {}
-        self.rng: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.rng: dict[int, tuple[bytes, list[bytes]]] = {}  # per replayed stage that draws: its RNG state
         self.updated_buffers: dict[int, list[tuple[nn.Module, str]]] = {}
         self.out: Any = None
         self.out_spec: Any = None
@@ -375,6 +375,7 @@ class _Step:
             self.group_delta = [t.grad if t is not None and t.requires_grad else None for t in leaves]
             del leaves
         del self.xbar[i]
+        self.rng.pop(i, None)  # no replay of stage i after its backward
         if i == k:
             self.delta[i], self.group_delta = self.group_delta, []
         else:
@@ -420,10 +421,13 @@ class _Step:
         with self._replaying(i):
             return stage(feed)
 
-    def _rng_state(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The global RNG state now. Only stages that draw random numbers keep one for their replays (a stage
-        without randomness replays as it is)."""
-        return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices]
+    def _rng_state(self) -> tuple[bytes, list[bytes]]:
+        """The global RNG state now, as bytes. Only stages that draw random numbers keep one for their replays (a
+        stage without randomness replays as it is), until their backward. Bytes, not tensors: the CPU generator's
+        state is 5 KB, which beside a CPU model's activations the memory model would not count (a GPU's states are
+        host memory anyway)."""
+        return (torch.get_rng_state().numpy().tobytes(),
+                [torch.cuda.get_rng_state(d).numpy().tobytes() for d in self.devices])
 
     @contextlib.contextmanager
     def _replaying(self, i: int) -> Iterator[None]:
@@ -438,9 +442,9 @@ class _Step:
             if i in self.rng:
                 with torch.random.fork_rng(devices=self.devices):
                     cpu, cuda = self.rng[i]
-                    torch.set_rng_state(cpu)
+                    torch.set_rng_state(_state_tensor(cpu))
                     for d, state in zip(self.devices, cuda):
-                        torch.cuda.set_rng_state(state, d)
+                        torch.cuda.set_rng_state(_state_tensor(state), d)
                     yield
             else:
                 yield
@@ -465,8 +469,13 @@ class _Step:
         return stack
 
 
-def _same_state(a: tuple[torch.Tensor, list[torch.Tensor]], b: tuple[torch.Tensor, list[torch.Tensor]]) -> bool:
-    return torch.equal(a[0], b[0]) and all(map(torch.equal, a[1], b[1]))
+def _same_state(a: tuple[bytes, list[bytes]], b: tuple[bytes, list[bytes]]) -> bool:
+    return a == b
+
+
+def _state_tensor(state: bytes) -> torch.Tensor:
+    """An RNG state for ``set_rng_state``, over a copy of the bytes (no allocation by torch's allocator)."""
+    return torch.frombuffer(bytearray(state), dtype=torch.uint8)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
