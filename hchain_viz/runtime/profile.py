@@ -18,8 +18,8 @@ own, in order, on the real output of the stage before (only one stage's autograd
 - ``fwd_tmp[i]``: peak bytes above the resident set during the recording forward (a ``Fall``), beyond what it
   leaves; ``nograd_tmp[i]``: the same for a forward without autograd (``Fck``, ``Fn``), whose intermediates are not
   saved; ``bwd_tmp[i]``: the same for the backward, beyond the input gradient.
-  The backward is measured as the executor runs it, with δ_{i+1} and the outputs handed over to autograd (freed
-  as soon as it is done with them), plus ``BACKWARD_SLACK``. Measured by
+  The backward is measured as the executor runs it, with δ_{i+1} handed over to autograd (freed as soon as it is
+  done with it), plus ``BACKWARD_SLACK``. Measured by
   :class:`~hchain_viz.runtime.memtrack.MemoryMeter` (CUDA statistics, or the allocator's own log of allocations and
   frees on the CPU, which leaves compiled stages compiled).
 
@@ -353,12 +353,14 @@ class _StageProfile:
             if cuda_log is not None:
                 cuda_log.mark()
             meter.mark()  # span 0: the recording forward; span 1: δ_{i+1}; span 2: the backward
-            # The backward as the executor runs it: δ_{i+1} and the outputs handed over, so autograd frees each once
-            # done with it (a copy of δ_{i+1} made inside the meter, so its early free is seen).
+            # The backward as the executor runs it: δ_{i+1} handed over, so autograd frees it once done with it (a
+            # copy made inside the meter, so its early free is seen). The outputs stay referenced to the end: freeing
+            # them early too was seen to under-predict a BERT layer's recomputation (by 256 KiB, not understood).
             pairs = [(t, g.clone()) for t, g in zip((t for t in tensors(out) if t.requires_grad), self.grads)]
-            del out
+            outs = tensors(out)
             meter.mark()
             backward_handing_over(pairs)
+            del out, outs
         # δ_i as the backward left it: a gradient per input tensor that needs one (none for ids and masks; the
         # gradient of a broadcast view or of views of one storage is larger than the storage).
         self.delta_in = nbytes([t.grad for t in tensors(self.h) if t.grad is not None])

@@ -33,7 +33,7 @@ from ..core.simulate import simulate
 from ..errors import HChainError, InvalidSchedule, NotSequentialError
 from .compiled import check_not_compiled, compile_options, compile_stage, describe
 from .memtrack import backward_handing_over, cuda_devices, transit_storages
-from .stages import sequentialize
+from .stages import buffer_snapshot, sequentialize
 from .transfer import Link, box_holder, data_holder, storage_key
 
 __all__ = ["wrap", "ScheduledModule"]
@@ -104,6 +104,7 @@ class ScheduledModule(nn.Module):
         # Per stage: whether its forward draws random numbers (None: not seen yet; relearned after train()).
         self._draws: list[bool | None] = [None] * self.length
         self._grad_mask: list[list[bool] | None] = [None] * (self.length + 1)
+        self._grad_mask_for: tuple[bool, ...] | None = None  # the parameters' requires_grad it was learned for
         try:
             stages = sequentialize(model)
         except NotSequentialError:
@@ -154,6 +155,7 @@ class ScheduledModule(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return self.model(x)
         self._ensure_stages(x)
+        self._learn_grad_mask(x)
         step = _Step(self, x)
         flat, _ = _flatten(x)
         # The dummy makes autograd call our backward even when no input requires grad (parameters still need it).
@@ -161,6 +163,31 @@ class ScheduledModule(nn.Module):
         token = _RunForward.apply(step, dummy, *flat)
         outputs = _Output.apply(step, token)
         return _unflatten(step.out_spec, list(outputs))
+
+    def _learn_grad_mask(self, x: Any) -> None:
+        """Which tensors of each cut need a gradient (``_grad_mask``), as eager autograd decides: one forward, stage
+        by stage, each graph dropped at once, with buffers, the RNG and the input left as found. Once, and again
+        whenever the parameters that require grad change. A no-grad forward (Fn, Fck) cannot tell, and guessing
+        "every floating-point tensor" computed gradients for attention masks and rotary tables that eager never
+        computes (memory the chain does not count)."""
+        params = tuple(p.requires_grad for m in self._stage_modules for p in m.parameters())
+        if self._grad_mask_for == params:
+            return
+        restore = buffer_snapshot(self._stage_modules)
+        try:
+            with torch.random.fork_rng(devices=cuda_devices(x)), torch.enable_grad():
+                flat, spec = _flatten(x)
+                for i, stage in enumerate(self._stage_modules):  # eager: compiled stages would compile again
+                    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in flat]  # a copy: in-place
+                    feed = _unflatten(spec, [_Alias.apply(t) if t.requires_grad else t for t in leaves])
+                    out = stage(feed)
+                    flat, spec = _flatten(out)
+                    self._grad_mask[i + 1] = [t.requires_grad for t in flat]
+                    flat = [t.detach().requires_grad_(t.requires_grad) for t in flat]
+                    del feed, leaves, out
+        finally:
+            restore()
+        self._grad_mask_for = params
 
     def train(self, mode: bool = True) -> ScheduledModule:
         super().train(mode)
@@ -294,7 +321,6 @@ class _Step:
                 del feed
                 self._learn_mutation(i, leaves, versions)
                 self.xbar[i] = (leaves, out)
-            m._grad_mask[i + 1] = [t.requires_grad for t in _flatten(out)[0]]
             self._note_made(i, flat, out)
             self._free_transit(i, flat, out, in_xbar)
             return
