@@ -289,6 +289,60 @@ def test_parameters_get_gradients_when_input_does_not_require_grad():
     assert x.grad is None
 
 
+class _WithMask(nn.Module):
+    """Returns (h, mask): a float mask made from a buffer, which needs no gradient (as an attention mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("bias", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), (self.bias + 1.0).expand(x.shape[0], 8)
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, hm: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, mask = hm
+        return self.lin(h) * mask, mask
+
+
+def test_cut_tensors_that_need_no_gradient_get_none_after_no_grad_forwards(monkeypatch):
+    """A mask that crosses cuts needs no gradient. After a no-grad forward (Fn/Fck) that cannot be read off the
+    values; the executor learns it from one probing forward, so B never computes a gradient for it (eager does
+    not), and training stays bitwise equal to eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_WithMask(), _Masked(), _Masked(), nn.Sequential())
+    model[3] = _Head()
+    x = torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    eager(x).sum().backward()
+    wrapped = wrap(model, strategies.recompute_all(Chain.random(4)))
+    grads: list[list] = []
+    backward_op = wrap_module._Step._backward_op
+
+    def spy(step, i):
+        backward_op(step, i)
+        if step.delta.get(i) not in (None, wrap_module._SPENT):
+            grads.append(step.delta[i])
+
+    monkeypatch.setattr(wrap_module._Step, "_backward_op", spy)
+    wrapped(x).sum().backward()
+    assert wrapped._grad_mask[1:3] == [[True, False], [True, False]]
+    assert any(len(d) == 2 for d in grads) and all(d[1] is None for d in grads if len(d) == 2)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+class _Head(nn.Module):
+    def forward(self, hm: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return hm[0]
+
+
 # ---------------------------------------------------------------------------------------------- in-place inputs
 def test_inplace_stage_does_not_corrupt_kept_checkpoints():
     model, x = inplace_first()

@@ -98,8 +98,8 @@ class ScheduledModule(nn.Module):
         self._runners: list[Any] = []  # what runs stage i: its module, or its compiled version
         self._stage_buffers: list[list[tuple[nn.Module, str]]] = []
         self._stats_buffers: list[list[tuple[nn.Module, str]]] = []
-        # Learned across steps: does stage i write into its input (None: not seen yet)? Which of its input tensors
-        # need a gradient (None: assume every floating-point one)?
+        # Learned across steps: does stage i write into its input (None: not seen yet)? Learned by one probing
+        # forward (_learn_grad_mask): which of its input tensors need a gradient (None: assume every float one)?
         self._mutates: list[bool | None] = [None] * self.length
         # Per stage: whether its forward draws random numbers (None: not seen yet; relearned after train()).
         self._draws: list[bool | None] = [None] * self.length
@@ -124,6 +124,7 @@ class ScheduledModule(nn.Module):
         # so registering them again would duplicate state_dict keys.
         self.stages = list(stages)
         self._stage_modules = [m for _, m in stages]
+        self._grad_mask_for = None  # new stages: learn which cut tensors need a gradient again
         options = self.compile_options
         self._runners = (self._stage_modules if options is None
                          else [compile_stage(m, options, len(stages)) for m in self._stage_modules])
