@@ -208,6 +208,21 @@ def test_tape_bars_are_the_item_lifetimes(traces):
     assert list(out.y) == [trace.chain.length]  # the held output sits on the loss row
 
 
+def test_tape_draws_transit_bytes_from_their_making_to_their_fall():
+    """chain.transit: x_1's part that no backward needs is a bar on row 1 that ends where Fall1 ends; on a chain
+    without transit bytes the legend does not name the kind."""
+    d = hcv.Chain.random(4, seed=1).to_dict()
+    plain = hcv.Chain.from_dict(d)
+    d["transit"] = [0, plain.x[1] // 2, 0, 0, 0]
+    chain = hcv.Chain.from_dict(d)
+    trace = hcv.simulate(chain, strategies.store_all(chain))
+    bar = by_name(F.storage_tape(trace), style.TAPE_LABELS["transit"])
+    fall1 = next(e for e in trace.events if str(e.op) == "Fall1")
+    assert list(bar.y) == [1] and bar.base[0] + bar.x[0] == pytest.approx(fall1.end) and bar.showlegend
+    assert not by_name(F.storage_tape(hcv.simulate(plain, strategies.store_all(plain))),
+                       style.TAPE_LABELS["transit"]).showlegend
+
+
 def test_tape_step_shows_the_state_at_that_moment(traces):
     trace = traces["handmade"]
     k = 7  # after Loss

@@ -345,6 +345,7 @@ def tape_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] 
         out.append(dict(
             type="bar", orientation="h", name=style.TAPE_LABELS[kind], y=stage, base=view.item_t0[m],
             x=t1[m] - view.item_t0[m], width=style.TAPE_WIDTHS[kind], text=text, textposition="none",
+            showlegend=kind != "transit" or any(view.trace.chain.transit),  # named only on chains that have it
             customdata=np.column_stack([view.item_size[m] / scale, view.item_t0[m], t1[m]]) if m.any()
             else np.zeros((0, 3)),
             marker=dict(color=style.TAPE_COLORS[kind], line_width=0),
