@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import hchain_viz as hcv
 from hchain_viz.core import solver
+from hchain_viz.core.chain import unshared_bytes
 from hchain_viz.core.schedule import Op, Schedule
 from hchain_viz.core.simulate import simulate
 from hchain_viz.core.strategies import store_all
@@ -84,7 +85,7 @@ def transit_int_chains(draw, max_len: int = 5) -> hcv.Chain:
 
 
 def _transit_room(chain: hcv.Chain) -> list[int]:
-    return [chain.x[i] - sum(b for f, la, b in chain.shared if f <= i <= la) for i in range(1, chain.length)]
+    return unshared_bytes(chain.x, chain.shared)[1:-1]
 
 
 def with_transit(chain: hcv.Chain, transit) -> hcv.Chain:

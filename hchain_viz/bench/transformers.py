@@ -105,21 +105,23 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     baselines = ckpt + [full] + ([sel] if sel is not None else [])
     seq = nn.Sequential(*[m for _, m in stages])  # wrap and checkpoint_sequential take a module
     peak_of = lambda s: measure(wrap(seq, s), x, loss_fn, repeats=1).peak_bytes  # noqa: E731
+    predicted_of = lambda s: simulate(chain, s).peak_memory  # noqa: E731
     base_peaks = [peak_of(s) for s in baselines]
     # The optimal schedule at each baseline's measured peak (the memory it really used, which its prediction bounds)
     # and at its predicted peak, beside five budgets evenly spread from the least to store-all.
     lo, hi = sol.min_budget, sol.store_all_peak
     budgets = {lo + (hi - lo) * k // 4 for k in range(5)}
-    budgets |= {b for s, p in zip(baselines, base_peaks) for b in (p, simulate(chain, s).peak_memory) if lo <= b <= hi}
+    budgets |= {b for s, p in zip(baselines, base_peaks) for b in (p, predicted_of(s)) if lo <= b <= hi}
     optimal = [sol.schedule(b) for b in sorted(budgets)]
     schedules = baselines + optimal
     modules = [wrap(seq, s) for s in schedules]
     peaks = base_peaks + [peak_of(s) for s in optimal]
-    ratios = [p / simulate(chain, s).peak_memory for p, s in zip(peaks, schedules)]
-    for r, p, s in zip(ratios, peaks, schedules):
-        if r > 1.0:  # an under-prediction: a schedule the solver says fits would not
-            print(f"  measured above predicted: {s.meta.get('strategy')} {p} B measured, "
-                  f"{simulate(chain, s).peak_memory} B predicted (x{r:.5f})")
+    predicted = [predicted_of(s) for s in schedules]
+    ratios = [p / q for p, q in zip(peaks, predicted)]
+    for p, q, s in zip(peaks, predicted, schedules):
+        if p > q:  # an under-prediction: a schedule the solver says fits would not
+            print(f"  measured above predicted: {s.meta.get('strategy')} {p} B measured, {q} B predicted "
+                  f"(x{p / q:.5f})")
     times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
     for p in model.parameters():
         p.grad = None

@@ -119,9 +119,11 @@ def at_batch(chain: Chain, batch: int) -> Chain:
     shared = chain.shared
     if "shared" in v:  # a shared tensor is part of every x it crosses: never larger than the smallest of them
         shared = tuple((f, la, min(_whole(s), *x[f:la + 1])) for (f, la, _), s in zip(chain.shared, v["shared"]))
+    from .chain import unshared_bytes  # chain.py imports this module
+
     # Transit bytes are a part of x[i]: the same share of it at every batch size (rounded down: they are freed).
     transit = [t * x[i] // chain.x[i] if chain.x[i] else 0 for i, t in enumerate(chain.transit)]
-    transit = [min(t, x[i] - sum(s for f, la, s in shared if f <= i <= la)) for i, t in enumerate(transit)]
+    transit = [min(t, room) for t, room in zip(transit, unshared_bytes(x, shared))]
     # A gradient's size and the no-grad transient follow the stage input's size (rounded up: both are charged).
     def scaled(values: tuple[int, ...] | None) -> list[int] | None:
         return None if values is None else [-(-v * x[i] // chain.x[i]) if chain.x[i] else v

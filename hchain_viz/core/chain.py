@@ -518,6 +518,11 @@ def _shared(shared: Any, x: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]
     return tuple(out)
 
 
+def unshared_bytes(x: Sequence[int], shared: Sequence[tuple[int, int, int]]) -> list[int]:
+    """Per boundary i, the bytes of x[i] that no shared tensor holds (what transit bytes may be part of)."""
+    return [x[i] - sum(size for first, last, size in shared if first <= i <= last) for i in range(len(x))]
+
+
 def _transit(transit: Any, x: tuple[int, ...], shared: tuple[tuple[int, int, int], ...],
              names: tuple[str, ...]) -> tuple[int, ...]:
     L = len(x) - 1
@@ -527,9 +532,8 @@ def _transit(transit: Any, x: tuple[int, ...], shared: tuple[tuple[int, int, int
     if out[0] or out[L]:
         raise InvalidChain("transit[0] and transit[L] must be 0: the caller holds the input x_0 and the output x_L "
                            f"for the whole step; got {out[0]} and {out[L]}")
-    for i in range(1, L):
-        held = x[i] - sum(size for first, last, size in shared if first <= i <= last)
-        if out[i] > held:
+    for i, held in enumerate(unshared_bytes(x, shared)):
+        if 0 < i < L and out[i] > held:
             raise InvalidChain(f"transit[{i}] = {out[i]} is more than the {held} bytes of x[{i}] that no shared tensor "
                                f"holds (the output of stage {names[i - 1]!r}); transit bytes are a part of x[i] that "
                                f"stage {i - 1} made and stage {i} does not hand on")

@@ -463,8 +463,7 @@ def _kernels() -> dict[str, Any]:
         g = globals()
         g["prange"] = numba.prange
         for name in ("_row", "_sub_at", "_take_chain", "_bounds", "_useful_end", "_chain_time", "_leaf", "_leaves",
-                     "_finish",
-                     "_fill_table", "_rebuild", "_least_memory"):
+                     "_finish", "_fill_table", "_rebuild", "_least_memory"):
             g[name] = numba.njit(**_NUMBA_OPTIONS, parallel=name == "_fill_table")(g[name])
         _compiled.update(fill=_fill_table, rebuild=_rebuild, least=_least_memory, threads=numba.get_num_threads)
     return _compiled
@@ -789,8 +788,7 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     k = _kernels()
     with _FILL_LOCK:
         k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["fwd_tmp"], sizes["nograd_tmp"],
-                  sizes["bwd_tmp"],
-                  arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, k["threads"]())
+                  sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, k["threads"]())
     D0 = D[0].copy()
     del C, D  # only the choices (and the answers D[., 0]) are kept
     return Solution(chain, max_budget, slots, peak, sizes, Cch, Dch, D0)

@@ -94,6 +94,14 @@ def transit_storages(inputs: list[torch.Tensor], candidates: list[bool], saved: 
     return found
 
 
+def made_storages(inputs: list[torch.Tensor], outputs: list[torch.Tensor], module: torch.nn.Module) -> set[int]:
+    """Data pointers of the storages of ``outputs`` that the stage made: not its inputs' (handed on), nor its
+    parameters' or buffers' (never transit)."""
+    kept = {st.data_ptr() for t in [*inputs, *module.parameters(), *module.buffers()]
+            if (st := storage_of(t)) is not None}
+    return {st.data_ptr() for t in outputs if (st := storage_of(t)) is not None and st.data_ptr() not in kept}
+
+
 def backward_handing_over(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Back-propagate the gradients into the outputs of ``pairs`` (output, gradient), handing both over to autograd:
     the list is emptied, and with no other reference left (the caller's job) autograd frees each gradient and each

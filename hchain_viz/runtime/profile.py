@@ -60,6 +60,7 @@ from .memtrack import (
     MemoryMeter,
     backward_handing_over,
     copy_with_layout,
+    made_storages,
     map_tensors,
     nbytes,
     storage_of,
@@ -144,10 +145,9 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     sizes = {j: nbytes(t) for j, t in enumerate(tensors(sample_input))}
     with preserved_state(modules + [m for _, m in stages], dev), bar:
         h = _leaves(sample_input)
-        for i, ((name, _), stage) in enumerate(zip(stages, runners)):
+        for i, ((name, module), stage) in enumerate(zip(stages, runners)):
             bar.set_postfix_str(name, refresh=False)
-            r = _StageProfile(name, stage, h, dev, loss_fn if i == L - 1 else None)
-            r.candidates_in, r.own = candidates, [*stages[i][1].parameters(), *stages[i][1].buffers()]
+            r = _StageProfile(name, stage, module, h, dev, loss_fn if i == L - 1 else None, candidates)
             r.run(warmup, repeats)
             transit[i] = r.transit_in if i > 0 else 0
             delta[i], ntmp[i] = r.delta_in, r.nograd_tmp
@@ -230,10 +230,14 @@ def _warn_if_noisy(chain: Chain) -> None:
 
 
 class _StageProfile:
-    """Times and sizes of one stage, given its input ``h`` (tensors detached from any graph)."""
+    """Times and sizes of one stage, given its input ``h`` (tensors detached from any graph); ``stage`` runs
+    ``module`` (itself, or compiled); ``candidates_in[k]``: input tensor k was made by the stage before and is not
+    saved for its backward (a transit candidate)."""
 
-    def __init__(self, name: str, stage: Callable[[Any], Any], h: Any, dev: torch.device, loss_fn: LossFn | None):
-        self.name, self.stage, self.h, self.dev, self.loss_fn = name, stage, h, dev, loss_fn
+    def __init__(self, name: str, stage: Callable[[Any], Any], module: nn.Module, h: Any, dev: torch.device,
+                 loss_fn: LossFn | None, candidates_in: list[bool]):
+        self.name, self.stage, self.module, self.h, self.dev, self.loss_fn = name, stage, module, h, dev, loss_fn
+        self.candidates_in = candidates_in
         self.in_bytes = nbytes(h)
 
     def _input(self) -> Any:
@@ -347,8 +351,8 @@ class _StageProfile:
             unneeded = transit_storages(ins, self.candidates_in, saved_ptrs, outs)
             self.transit_in = sum(st.nbytes() for st in unneeded.values())
             # Which output tensors the next stage's transit may hold: made here, not saved for this backward.
-            not_made = saved_ptrs | {st.data_ptr() for t in [*ins, *self.own] if (st := storage_of(t)) is not None}
-            self.candidates_out = [(st := storage_of(t)) is not None and st.data_ptr() not in not_made for t in outs]
+            made = made_storages(ins, outs, self.module) - saved_ptrs
+            self.candidates_out = [(st := storage_of(t)) is not None and st.data_ptr() in made for t in outs]
             del ins, outs, unneeded, out_storages
             if cuda_log is not None:
                 cuda_log.mark()

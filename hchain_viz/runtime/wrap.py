@@ -32,7 +32,7 @@ from ..core.schedule import Schedule
 from ..core.simulate import simulate
 from ..errors import HChainError, InvalidSchedule, NotSequentialError
 from .compiled import check_not_compiled, compile_options, compile_stage, describe
-from .memtrack import backward_handing_over, cuda_devices, transit_storages
+from .memtrack import backward_handing_over, cuda_devices, made_storages, transit_storages
 from .stages import buffer_snapshot, sequentialize
 from .transfer import Link, box_holder, data_holder, storage_key
 
@@ -363,9 +363,7 @@ class _Step:
     def _note_made(self, i: int, inputs: list[torch.Tensor], out: Any) -> None:
         """Remember which storages of x_{i+1} the forward of stage i made (not handed on from its input)."""
         if self.link is None and i + 1 < self.L:
-            stage = self.m._stage_modules[i]
-            kept = {storage_key(t) for t in [*inputs, *stage.parameters(), *stage.buffers()]}  # never freed
-            self.made[i + 1] = {k for t in _flatten(out)[0] if (k := storage_key(t)) not in kept}
+            self.made[i + 1] = made_storages(inputs, _flatten(out)[0], self.m._stage_modules[i])
 
     def _free_transit(self, i: int, inputs: list[torch.Tensor], out: Any, in_xbar: bool) -> None:
         # NOTE [memory model]: after Fall(i), the part of x_i that no backward needs is freed (chain.transit, DESIGN
