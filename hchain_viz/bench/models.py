@@ -97,6 +97,7 @@ def _gains(stages: list[tuple[str, nn.Module]], x: Any, loss_fn: Callable,
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.profile import profile
     from ..runtime.wrap import wrap
+    from . import optimal_at
     from .train import _CheckpointSequential, _interleaved_times
 
     seq = nn.Sequential(*[m for _, m in stages])  # what checkpoint_sequential runs; wrap() takes its children
@@ -107,7 +108,7 @@ def _gains(stages: list[tuple[str, nn.Module]], x: Any, loss_fn: Callable,
     lo, hi = sol.min_budget, sol.store_all_peak
     budgets = {lo + (hi - lo) * k // max(1, opts.budgets - 1) for k in range(opts.budgets)}
     budgets |= {p for _, p in ckpt if lo <= p <= hi}
-    optimal = [wrap(seq, sol.schedule(b)) for b in sorted(budgets)]
+    optimal = [wrap(seq, optimal_at(chain, b)) for b in sorted(budgets)]
     modules = [m for m, _ in ckpt] + optimal
     peaks = [measure(m, x, loss_fn, repeats=1).peak_bytes for m in modules]
     times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)

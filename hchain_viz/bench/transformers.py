@@ -9,10 +9,10 @@ attention (the attention probabilities are materialised, as in the issue's hand 
 - measured / predicted peak: the range over every schedule run (measured with ``hchain_viz.measure``, predicted
   by ``simulate``);
 - the step-rate gain of the optimal schedule at equal **measured** memory (solved at each baseline's measured peak,
-  among other budgets) over ``checkpoint_sequential`` at layer granularity (``layer_periodic``), averaged over its
-  Pareto-efficient segment counts (``n`` that use as much measured memory as another and are slower are left out),
-  over full per-layer recomputation at its measured peak, and over Megatron's selective recomputation at its
-  measured peak ("n/a" where the optimal schedule has no point at or under that peak). A schedule measured above
+  among other budgets, each solved at its own resolution) over ``checkpoint_sequential`` at layer granularity
+  (``layer_periodic``), averaged over its Pareto-efficient segment counts (``n`` that use as much measured memory
+  as another and are slower are left out), over full per-layer recomputation at its measured peak, and over
+  Megatron's selective recomputation at its measured peak ("n/a" where the optimal schedule has no point at or under that peak). A schedule measured above
   its prediction is reported on a line of its own.
 
 Every strategy is a Schedule run by the same executor (``hcv.wrap``); step times are medians of ``--rounds``
@@ -87,7 +87,7 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.profile import profile
     from ..runtime.wrap import wrap
-    from . import pareto_efficient
+    from . import optimal_at, pareto_efficient
     from .train import _interleaved_times
 
     model.train()
@@ -112,7 +112,7 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     lo, hi = sol.min_budget, sol.store_all_peak
     budgets = {lo + (hi - lo) * k // 4 for k in range(5)}
     budgets |= {b for s, p in zip(baselines, base_peaks) for b in (p, predicted_of(s)) if lo <= b <= hi}
-    optimal = [sol.schedule(b) for b in sorted(budgets)]
+    optimal = [optimal_at(chain, b) for b in sorted(budgets)]
     schedules = baselines + optimal
     modules = [wrap(seq, s) for s in schedules]
     peaks = base_peaks + [peak_of(s) for s in optimal]
