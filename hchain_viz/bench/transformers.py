@@ -12,8 +12,8 @@ attention (the attention probabilities are materialised, as in the issue's hand 
   among other budgets, each solved at its own resolution) over ``checkpoint_sequential`` at layer granularity
   (``layer_periodic``), averaged over its Pareto-efficient segment counts (``n`` that use as much measured memory
   as another and are slower are left out), over full per-layer recomputation at its measured peak, and over
-  Megatron's selective recomputation at its measured peak ("n/a" where the optimal schedule has no point at or under that peak). A schedule measured above
-  its prediction is reported on a line of its own.
+  Megatron's selective recomputation at its measured peak ("n/a" where the optimal schedule has no point at or
+  under that peak). A schedule measured above its prediction is reported on a line of its own.
 
 Every strategy is a Schedule run by the same executor (``hcv.wrap``); step times are medians of ``--rounds``
 interleaved rounds (a warm-up round first, shuffled order each round).
