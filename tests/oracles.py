@@ -38,7 +38,8 @@ class State(NamedTuple):
 
     ``res``: frozenset of resident items ``(kind, stage, bytes)`` with kinds ``x``, ``xbar``, ``out``, ``delta``,
     ``transit`` (as in ``simulate``: the part of x_b no backward needs, beside the value holding x_b, until
-    Fall(b)); ``loss_done``; ``bwd_done``: frozenset of stages whose backward has run.
+    Fall(b)), ``consumed`` (the part of x_b only B(b) needs, beside the value holding x_b, until B(b));
+    ``loss_done``; ``bwd_done``: frozenset of stages whose backward has run.
     """
 
     res: frozenset
@@ -94,19 +95,21 @@ def _size(state: State, kind: str, stage: int) -> int:
 
 
 def _without(res: set, state: State, kind: str, stage: int) -> None:
-    """Free the value (kind, stage) from ``res``, with the unconsumed transit part of the x_b it holds."""
+    """Free the value (kind, stage) from ``res``, with the transit and consumed parts of the x_b it holds still
+    resident."""
     res.discard((kind, stage, _size(state, kind, stage)))
     b = stage + 1 if kind == "xbar" else stage
-    if _has(state, "transit", b):
-        res.discard(("transit", b, _size(state, "transit", b)))
+    for part in ("transit", "consumed"):
+        if _has(state, part, b):
+            res.discard((part, b, _size(state, part, b)))
 
 
-def _with_transit(chain: Chain, item: tuple) -> list[tuple]:
-    """A new value holding x_b, its transit part split off as an item of its own."""
+def _with_parts(chain: Chain, item: tuple) -> list[tuple]:
+    """A new value holding x_b, its transit and consumed parts split off as items of their own."""
     kind, stage, size = item
     b = stage + 1 if kind == "xbar" else stage
-    t = chain.transit[b]
-    return [(kind, stage, size - t), ("transit", b, t)] if t else [item]
+    t, c = chain.transit[b], chain.consumed[b]
+    return [(kind, stage, size - t - c)] + [(part, b, v) for part, v in (("transit", t), ("consumed", c)) if v]
 
 
 def _input_ok(state: State, i: int) -> bool:
@@ -142,6 +145,8 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
         if i > 0 and _has(state, "x", i):
             _without(res, state, "x", i)
             groups = _release(groups, ("x", i))
+        elif _has(state, "consumed", i):  # of the x_i inside x̄_i: what B(i) needed and B(i-1) does not
+            res.discard(("consumed", i, _size(state, "consumed", i)))
         res.add(("delta", i, chain.delta_bytes[i]))
         nxt = State(frozenset(res), True, state.bwd_done | {i}, state.kept - {i}, groups)
         return nxt, peak, chain.bwd_time[i]
@@ -155,7 +160,7 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
         if i == L - 1 and not _has(state, "out", L):
             new = [("out", L, x[L]), ("xbar", i, xbar[i] - x[L])]  # this x̄ item holds no shared tensor
         else:
-            new = _with_transit(chain, ("xbar", i, xbar[i]))
+            new = _with_parts(chain, ("xbar", i, xbar[i]))
     else:
         if i + 1 in state.bwd_done:
             return None
@@ -164,7 +169,7 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
                 return None
             new = [("out", L, x[L])]
         else:
-            new = _with_transit(chain, ("x", i + 1, x[i + 1]))
+            new = _with_parts(chain, ("x", i + 1, x[i + 1]))
     holder = new[0][:2]  # the value that holds the output x_{i+1}
     groups = _hold(chain, groups, holder, i + 1, source)
     res.update(new)
@@ -176,7 +181,7 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
             return None
         _without(res, state, "x", i)
         groups = _release(groups, ("x", i))
-    if kind == "Fall" and _has(state, "transit", i):  # consumed: neither B(i-1) nor B(i) needs it
+    if kind == "Fall" and _has(state, "transit", i):  # freed: neither B(i-1) nor B(i) needs it
         res.discard(("transit", i, _size(state, "transit", i)))
     kept = state.kept | {i} if kind == "Fck" else state.kept
     return State(frozenset(res), state.loss_done, state.bwd_done, kept, groups), peak, chain.fwd_time[i]
@@ -335,6 +340,7 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
     ntmp = [up(v) for v in chain.nograd_tmp_bytes]  # of a Fck or Fn
     btmp = [up(v) for v in chain.bwd_tmp]
     tr = [min(v * S // max_budget, up(chain.x[i])) for i, v in enumerate(chain.transit)]  # freed: rounded down
+    co = [min(v * S // max_budget, up(chain.x[i])) for i, v in enumerate(chain.consumed)]  # freed: rounded down
     fwd, bwd = chain.fwd_time, chain.bwd_time
     C: dict = {}
     Cch: dict = {}
@@ -369,8 +375,9 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
                         best, choice = fwd[i] + bwd[i], 0
                 else:
                     via_chain = INF
-                    # by B(i), the sub-chain's Fall(i+1) has freed the transit part of x_{i+1}
-                    if m >= x[l + 1] + xbar[i] + ftmp[i] and m >= need_b - tr[i + 1] and m >= shift:
+                    # by B(i), the sub-chain's Fall(i+1) has freed the transit part of x_{i+1}, its B(i+1) the
+                    # consumed part
+                    if m >= x[l + 1] + xbar[i] + ftmp[i] and m >= need_b - tr[i + 1] - co[i + 1] and m >= shift:
                         via_chain = fwd[i] + bwd[i] + C[(min(m - shift, S), i + 1, l)]
                     # a leaf's guard: Fck(i) Fn(i+1..j-1) run with x_i whole and δ_{l+1} resident
                     leaves = [sum(fwd[i:j]) + C[(m - xs[(i, j)], j, l)] + C[(m, i, j - 1)]
@@ -383,7 +390,8 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
     for i in range(L - 1, -1, -1):
         held = xs[(i, L)]  # the output held by the caller, beside x_i (once the left part runs)
         # during B(i) of the chain option the output's source x_{i+1} is resident too (inside x̄_{i+1})
-        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[(i + 1, L)]) - tr[i] - tr[i + 1]
+        need_b = (x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[(i + 1, L)]) - tr[i] - tr[i + 1]
+                  - co[i + 1])
         shift = xbar[i] - tr[i]
         for m in range(S + 1):
             via_chain = INF
@@ -392,7 +400,7 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
             leaves = [sum(fwd[i:j]) + D[(m - xs[(i, j)], j)] + C[(m - held, i, j - 1)]
                       if m >= xs[(i, j)] and m >= held and m >= sweep_peak(i, j) else INF for j in range(i + 1, L + 1)]
             D[(m, i)], Dch[(m, i)] = pick(via_chain, leaves, i)
-    sizes = {"x": x, "xs": xs, "xbar": xbar, "tr": tr, "fwd_tmp": ftmp, "nograd_tmp": ntmp, "bwd_tmp": btmp}
+    sizes = {"x": x, "xs": xs, "xbar": xbar, "tr": tr, "co": co, "fwd_tmp": ftmp, "nograd_tmp": ntmp, "bwd_tmp": btmp}
     return Twin(C, Cch, D, Dch, sizes, S, up(chain.x[0]))
 
 

@@ -266,6 +266,13 @@ def test_transit_gradient_sizes_and_nograd_transients_round_trip_default_and_val
         Chain(**base, transit=[1, 0, 0, 0])
     with pytest.raises(InvalidChain, match="transit\\[1\\] = 4 is more than the 3 bytes of x\\[1\\] that no shared"):
         Chain(**base, transit=[0, 4, 0, 0])  # 3 of x[1]'s 6 bytes are the shared tensor
+    c = Chain(**base, transit=[0, 1, 2, 0], consumed=[0, 2, 1, 0])
+    assert Chain.from_json(c.to_json()).consumed == (0, 2, 1, 0) and "consumed" not in plain.to_dict()
+    assert plain.consumed == (0, 0, 0, 0)
+    with pytest.raises(InvalidChain, match="consumed\\[0\\] and consumed\\[L\\] must be 0"):
+        Chain(**base, consumed=[0, 0, 0, 1])
+    with pytest.raises(InvalidChain, match="consumed\\[1\\] = 3 beside transit\\[1\\] = 1 is more than the 3 bytes"):
+        Chain(**base, transit=[0, 1, 0, 0], consumed=[0, 3, 0, 0])  # together more than x[1]'s unshared bytes
     with pytest.raises(InvalidChain, match="delta"):
         Chain(**base, delta=[1, 2, 3])
     with pytest.raises(InvalidChain, match="delta"):

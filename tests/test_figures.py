@@ -223,6 +223,22 @@ def test_tape_draws_transit_bytes_from_their_making_to_their_fall():
                        style.TAPE_LABELS["transit"]).showlegend
 
 
+def test_tape_draws_consumed_bytes_from_their_making_to_their_backward():
+    """chain.consumed: x_2's part that only B(2) needs is a bar on row 2 that ends where B2 ends (x_2 sits inside
+    x̄_2 under store-all, which stays to B1); named in the legend only on chains that have the kind."""
+    d = hcv.Chain.random(4, seed=1).to_dict()
+    plain = hcv.Chain.from_dict(d)
+    d["consumed"] = [0, 0, plain.x[2] // 2, 0, 0]
+    chain = hcv.Chain.from_dict(d)
+    trace = hcv.simulate(chain, strategies.store_all(chain))
+    bar = by_name(F.storage_tape(trace), style.TAPE_LABELS["consumed"])
+    fall1, b2 = (next(e for e in trace.events if str(e.op) == op) for op in ("Fall1", "B2"))
+    assert list(bar.y) == [2] and bar.base[0] == pytest.approx(fall1.start) and bar.showlegend
+    assert bar.base[0] + bar.x[0] == pytest.approx(b2.end)
+    assert not by_name(F.storage_tape(hcv.simulate(plain, strategies.store_all(plain))),
+                       style.TAPE_LABELS["consumed"]).showlegend
+
+
 def test_tape_step_shows_the_state_at_that_moment(traces):
     trace = traces["handmade"]
     k = 7  # after Loss

@@ -73,10 +73,12 @@ def shared_int_chains(draw, max_len: int = 5) -> hcv.Chain:
 @st.composite
 def transit_int_chains(draw, max_len: int = 5) -> hcv.Chain:
     """:func:`small_int_chains` or :func:`shared_int_chains` with transit bytes (the part of x_i that Fall(i)
-    frees) at some inner cuts, up to all that no shared tensor holds there, and maybe gradients of their own sizes and
-    no-grad transients."""
+    frees) and consumed bytes (the part B(i) frees) at some inner cuts, together up to all that no shared tensor
+    holds there, and maybe gradients of their own sizes and no-grad transients."""
     chain = draw(st.one_of(small_int_chains(max_len=max_len, max_size=4), shared_int_chains(max_len=max_len)))
-    chain = with_transit(chain, [0] + [draw(st.integers(0, room)) for room in _transit_room(chain)] + [0])
+    transit = [draw(st.integers(0, room)) for room in _transit_room(chain)]
+    consumed = [draw(st.integers(0, room - t)) for room, t in zip(_transit_room(chain), transit)]
+    chain = with_transit(chain, [0] + transit + [0], [0] + consumed + [0])
     d = chain.to_dict()
     L = chain.length
     d["delta"] = draw(st.one_of(st.none(), st.lists(st.integers(0, 6), min_size=L + 1, max_size=L + 1)))
@@ -88,20 +90,25 @@ def _transit_room(chain: hcv.Chain) -> list[int]:
     return unshared_bytes(chain.x, chain.shared)[1:-1]
 
 
-def with_transit(chain: hcv.Chain, transit) -> hcv.Chain:
+def with_transit(chain: hcv.Chain, transit, consumed=None) -> hcv.Chain:
     d = chain.to_dict()
     d["transit"] = [int(t) for t in transit]
+    if consumed is not None:
+        d["consumed"] = [int(c) for c in consumed]
     return hcv.Chain.from_dict(d)
 
 
 def random_transit_chain(seed: int, max_len: int = 5) -> hcv.Chain:
     """A small integer chain (with shared tensors on odd seeds) whose inner cuts carry transit bytes, often all
-    of what they may (so Fall sometimes frees more than it leaves), on every third seed gradients δ_i of their
-    own sizes (0 to twice x_i: none for ids, a broadcast view's is larger), on even seeds no-grad transients."""
+    of what they may (so Fall sometimes frees more than it leaves), and consumed bytes in what is left on seeds not
+    divisible by 4; on every third seed gradients δ_i of their own sizes (0 to twice x_i: none for ids, a broadcast
+    view's is larger), on even seeds no-grad transients."""
     chain = random_shared_chain(seed, max_len) if seed % 2 else random_int_chain(seed, max_len, zeros=False)
     rng = np.random.default_rng(seed + 1000)
     room = _transit_room(chain)
-    chain = with_transit(chain, [0] + [r if rng.random() < 0.4 else int(rng.integers(0, r + 1)) for r in room] + [0])
+    transit = [r if rng.random() < 0.4 else int(rng.integers(0, r + 1)) for r in room]
+    consumed = [int(rng.integers(0, r - t + 1)) if seed % 4 else 0 for r, t in zip(room, transit)]
+    chain = with_transit(chain, [0] + transit + [0], [0] + consumed + [0])
     d = chain.to_dict()
     if seed % 3 == 0:
         d["delta"] = [int(rng.integers(0, 2 * v + 1)) for v in chain.x]
@@ -260,6 +267,19 @@ def test_transit_lowers_the_optimum():
     assert exact(transit).makespan(budget) == oracles.brute_force(transit, budget)[0]
 
 
+def test_consumed_bytes_lower_the_optimum():
+    """3 bytes of x_1 are needed by B(1) only (say, the MLP's hidden activation, saved by the down-projection and
+    not by the activation that made it): freed after B(1), they make room for B(0)'s transient. Store-all then
+    fits in 18 bytes, where the same chain without them fits nowhere under 19."""
+    d = dict(fwd_time=[1.0, 1.0, 1.0], bwd_time=[2.0, 2.0, 2.0], x=[1, 4, 2, 1], xbar=[6, 4, 2], fwd_tmp=[0, 0, 0],
+             bwd_tmp=[6, 0, 0])
+    plain, consumed = hcv.Chain(**d), hcv.Chain(**d, consumed=[0, 3, 0, 0])
+    peaks = [hcv.simulate(c, hcv.strategies.store_all(c)).peak_memory for c in (plain, consumed)]
+    assert peaks == [19, 18]
+    assert exact(consumed).makespan(18) == consumed.store_all_time == oracles.brute_force(consumed, 18)[0]
+    assert solver.least_budget(plain) == oracles.brute_min_budget(plain) == 19
+
+
 def test_shared_tensor_lowers_the_optimum():
     """The held output shares a tensor with x_2: counting it once makes budget 21 feasible (22 when counted
     twice), and the DP finds the schedule the exhaustive search finds (a case the first §8 draft missed)."""
@@ -346,7 +366,7 @@ def _tables(chain: hcv.Chain, slots: int, threads: int) -> tuple[np.ndarray, ...
     rows = L * (L + 1) // 2
     C, Cch = np.empty((rows, slots + 1)), np.empty((rows, slots + 1), np.int16)
     D, Dch = np.empty((L + 1, slots + 1)), np.empty((L + 1, slots + 1), np.int16)
-    solver._kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["fwd_tmp"],
+    solver._kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
                               sizes["nograd_tmp"], sizes["bwd_tmp"],
                               arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, threads)
     return C, Cch, D, Dch

@@ -121,16 +121,22 @@ def at_batch(chain: Chain, batch: int) -> Chain:
         shared = tuple((f, la, min(_whole(s), *x[f:la + 1])) for (f, la, _), s in zip(chain.shared, v["shared"]))
     from .chain import unshared_bytes  # chain.py imports this module
 
-    # Transit bytes are a part of x[i]: the same share of it at every batch size (rounded down: they are freed).
-    transit = [t * x[i] // chain.x[i] if chain.x[i] else 0 for i, t in enumerate(chain.transit)]
-    transit = [min(t, room) for t, room in zip(transit, unshared_bytes(x, shared))]
+    # Transit and consumed bytes are parts of x[i]: the same share of it at every batch size (rounded down: they are
+    # freed), within the bytes no shared tensor holds.
+    def part(values: tuple[int, ...]) -> list[int]:
+        return [v * x[i] // chain.x[i] if chain.x[i] else 0 for i, v in enumerate(values)]
+
+    room = unshared_bytes(x, shared)
+    transit = [max(0, min(t, r)) for t, r in zip(part(chain.transit), room)]
+    consumed = [max(0, min(c, r - t)) for c, t, r in zip(part(chain.consumed), transit, room)]
+
     # A gradient's size and the no-grad transient follow the stage input's size (rounded up: both are charged).
     def scaled(values: tuple[int, ...] | None) -> list[int] | None:
         return None if values is None else [-(-v * x[i] // chain.x[i]) if chain.x[i] else v
                                             for i, v in enumerate(values)]
 
     return replace(chain, fwd_time=v["fwd_time"], bwd_time=v["bwd_time"], x=x, xbar=xbar, shared=shared,
-                   transit=[max(0, t) for t in transit], delta=scaled(chain.delta),
+                   transit=transit, consumed=consumed, delta=scaled(chain.delta),
                    nograd_tmp=scaled(chain.nograd_tmp), fwd_tmp=[_whole(s) for s in v["fwd_tmp"]],
                    bwd_tmp=[_whole(s) for s in v["bwd_tmp"]],
                    batch_fit=replace(chain.batch_fit, batch=b))

@@ -95,6 +95,12 @@ class Chain:
       stage i-1, saved by neither B(i-1) nor B(i), not handed on to x_{i+1} (the pre-softmax scores, the q and k
       that an attention product copies before it saves them). They are freed once ``Fall(i)`` has consumed them,
       wherever x_i is held, as eager autograd frees them (DESIGN §3, amended: see ``simulate``). Default: zeros.
+    - ``consumed[i]`` (length L+1, ``consumed[0] == consumed[L] == 0``): bytes of x_i that B(i) needs and B(i-1) does
+      not — made by stage i-1, not saved by its backward, saved by stage i's, not handed on (the MLP's hidden
+      activation before the down-projection, the attention probabilities before their product with v). When x_i is
+      the output inside x̄_i (left by ``Fall(i-1)``), they are freed once ``B(i)`` has run, as eager autograd frees
+      them in a backward that runs through both stages (a plain checkpoint x_i goes whole at B(i) anyway). Disjoint
+      from ``transit[i]``; together at most the bytes of x[i] that no shared tensor holds. Default: zeros.
     """
 
     fwd_time: tuple[float, ...]
@@ -110,6 +116,7 @@ class Chain:
     tags: tuple[str, ...] = None  # type: ignore[assignment]  # default: "" for every stage
     shared: tuple[tuple[int, int, int], ...] = ()
     transit: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
+    consumed: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
     delta: tuple[int, ...] | None = None  # None: as x (see delta_bytes)
     nograd_tmp: tuple[int, ...] | None = None  # None: as fwd_tmp (see nograd_tmp_bytes)
     fixed: FixedMemory | None = None
@@ -148,7 +155,8 @@ class Chain:
         set_(self, "groups", _groups(self.groups, L))
         set_(self, "tags", _tags(self.tags, L))
         set_(self, "shared", _shared(self.shared, self.x))
-        set_(self, "transit", _transit(self.transit, self.x, self.shared, names))
+        set_(self, "transit", _part_of_x(self.transit, "transit", (0,) * (L + 1), self.x, self.shared, names))
+        set_(self, "consumed", _part_of_x(self.consumed, "consumed", self.transit, self.x, self.shared, names))
         if self.delta is not None:
             set_(self, "delta", _ints(self.delta, "delta", L + 1))
         if self.nograd_tmp is not None:
@@ -257,6 +265,8 @@ class Chain:
             d["shared"] = [list(t) for t in self.shared]
         if any(self.transit):
             d["transit"] = list(self.transit)
+        if any(self.consumed):
+            d["consumed"] = list(self.consumed)
         if self.delta is not None:
             d["delta"] = list(self.delta)
         if self.nograd_tmp is not None:
@@ -287,7 +297,7 @@ class Chain:
             batch_fit=None if d.get("batch_fit") is None else BatchFit.from_dict(d["batch_fit"]),
             bandwidth=d.get("bandwidth"),
             groups=d.get("groups", ()), tags=d.get("tags"), shared=d.get("shared", ()), transit=d.get("transit"),
-            delta=d.get("delta"), nograd_tmp=d.get("nograd_tmp"),
+            consumed=d.get("consumed"), delta=d.get("delta"), nograd_tmp=d.get("nograd_tmp"),
         )
 
     @classmethod
@@ -519,24 +529,28 @@ def _shared(shared: Any, x: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]
 
 
 def unshared_bytes(x: Sequence[int], shared: Sequence[tuple[int, int, int]]) -> list[int]:
-    """Per boundary i, the bytes of x[i] that no shared tensor holds (what transit bytes may be part of)."""
+    """Per boundary i, the bytes of x[i] that no shared tensor holds (what transit and consumed bytes may be part
+    of)."""
     return [x[i] - sum(size for first, last, size in shared if first <= i <= last) for i in range(len(x))]
 
 
-def _transit(transit: Any, x: tuple[int, ...], shared: tuple[tuple[int, int, int], ...],
-             names: tuple[str, ...]) -> tuple[int, ...]:
+def _part_of_x(part: Any, name: str, beside: tuple[int, ...], x: tuple[int, ...],
+               shared: tuple[tuple[int, int, int], ...], names: tuple[str, ...]) -> tuple[int, ...]:
+    """Validate ``transit`` or ``consumed``: per boundary, a part of what stage i-1 made of x[i], disjoint from
+    ``beside`` (the other of the two)."""
     L = len(x) - 1
-    if transit is None:
+    if part is None:
         return (0,) * (L + 1)
-    out = _ints(transit, "transit", L + 1)
+    out = _ints(part, name, L + 1)
     if out[0] or out[L]:
-        raise InvalidChain("transit[0] and transit[L] must be 0: the caller holds the input x_0 and the output x_L "
+        raise InvalidChain(f"{name}[0] and {name}[L] must be 0: the caller holds the input x_0 and the output x_L "
                            f"for the whole step; got {out[0]} and {out[L]}")
     for i, held in enumerate(unshared_bytes(x, shared)):
-        if 0 < i < L and out[i] > held:
-            raise InvalidChain(f"transit[{i}] = {out[i]} is more than the {held} bytes of x[{i}] that no shared tensor "
-                               f"holds (the output of stage {names[i - 1]!r}); transit bytes are a part of x[i] that "
-                               f"stage {i - 1} made and stage {i} does not hand on")
+        if 0 < i < L and out[i] + beside[i] > held:
+            also = f" beside transit[{i}] = {beside[i]}" if beside[i] else ""
+            raise InvalidChain(f"{name}[{i}] = {out[i]}{also} is more than the {held} bytes of x[{i}] that no shared "
+                               f"tensor holds (the output of stage {names[i - 1]!r}); {name} bytes are a part of x[i] "
+                               f"that stage {i - 1} made and stage {i} does not hand on")
     return out
 
 

@@ -18,6 +18,9 @@ Resident items (``Item.kind``):
   stage i-1, which carry it less) and goes after ``Fall(i)``, the last forward of stage i before B(i) (no forward of i
   can run between them), or with its holder if that goes first. Schedules with transfers keep it with its holder
   (the executor moves whole values), so they are charged as before.
+- ``"consumed"``: the part of x_i that B(i) needs and B(i-1) does not (``chain.consumed[i]`` bytes). It comes with
+  the value that holds x_i, as the transit part does, and goes after ``B(i)`` (or with its holder): it matters when x_i
+  is the output inside x̄_i, which stays until B(i-1). Also kept with its holder by schedules with transfers.
 - ``"shared"``: one copy of a tensor that several cuts share (``chain.shared``, DESIGN §8: the residual stream inside
   a layer), ``stage`` = the first cut that holds it. It is resident while any value above holds it, and those values
   leave its bytes out of their own size, so it is counted once. A forward passes its input's copy on to its output; a
@@ -54,10 +57,12 @@ from .chain import Chain
 from .schedule import Op, Schedule
 from .units import format_bytes, format_time
 
+_PARTS = ("transit", "consumed")  # parts of a value x_i freed before the value itself (chain.transit, chain.consumed)
+
 
 class Item(NamedTuple):
-    """A resident piece of memory: ``kind`` in ``x, xbar, out, delta, shared``, the ``stage`` index, its ``size`` in
-    bytes."""
+    """A resident piece of memory: ``kind`` in ``x, xbar, out, delta, transit, consumed, shared``, the ``stage``
+    index, its ``size`` in bytes."""
 
     kind: str
     stage: int
@@ -242,15 +247,17 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
     backward_done: set[int] = set()
     events = []
     link = _Link(chain, res, spans, opened, kept)  # the transfer channels (DESIGN §9); idle unless Off/Pre appear
-    transit = chain.transit if not schedule.n_transfers else (0,) * (L + 1)
+    transfers = bool(schedule.n_transfers)
+    parts = {kind: (0,) * (L + 1) if transfers else getattr(chain, kind) for kind in _PARTS}
 
     def held(new: list[tuple[tuple, int]], boundary: int) -> list[tuple[tuple, int]]:
-        """The items of a new value holding x[boundary] (its own item first), its transit part split off."""
-        t = transit[boundary]
-        if not t:
+        """The items of a new value holding x[boundary] (its own item first), its transit and consumed parts split
+        off."""
+        split = [((kind, boundary), parts[kind][boundary]) for kind in _PARTS if parts[kind][boundary]]
+        if not split:
             return new
         (key, size), *rest = new
-        return [(key, size - t), (("transit", boundary), t), *rest]
+        return [(key, size - sum(b for _, b in split)), *split, *rest]
 
     def add(key: tuple, size: int, k: int) -> None:
         res[key] = size
@@ -297,7 +304,11 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                 raise fail(f"B{i} needs x̄_{i + 1} from a Fall{i}, which is not resident")
             if not _input_available(res, i):
                 raise fail(f"B{i} needs its input x_{i}, which is not resident")
-            gone = [("delta", i + 1), ("xbar", i)] + ([("x", i)] if i > 0 and ("x", i) in res else [])
+            gone = [("delta", i + 1), ("xbar", i)]
+            if i > 0 and ("x", i) in res:  # a plain checkpoint goes whole (with its parts)
+                gone.append(("x", i))
+            elif ("consumed", i) in res:  # of the x_i inside x̄_i, the part B(i) needed and B(i-1) does not
+                gone.append(("consumed", i))
             new = [(("delta", i), chain.delta_bytes[i])]
             tmp, dt = chain.bwd_tmp[i], chain.bwd_time[i]
             backward_done.add(i)
@@ -315,7 +326,7 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
                     new = tensors.create(("out", L), L, source, x[L]) + [(("xbar", i), xbar[i] - x[L])]
                 else:
                     new = held(tensors.create(("xbar", i), i + 1, source, xbar[i]), i + 1)
-                if ("transit", i) in res:  # x_i's part that neither B(i-1) nor B(i) needs: consumed now
+                if ("transit", i) in res:  # x_i's part that neither B(i-1) nor B(i) needs: freed now
                     gone = [("transit", i)]
             else:
                 if i + 1 in backward_done:
@@ -352,9 +363,10 @@ def simulate(chain: Chain, schedule: Schedule) -> Trace:
             freed += drop(key, k)
             for inst in tensors.release(key):  # a shared tensor goes with the last value that holds it
                 freed += drop(inst, k)
-            part = ("transit", key[1] + (key[0] == "xbar"))  # a holder of x_b takes its unconsumed transit part
-            if key[0] in ("x", "xbar") and part in res:
-                freed += drop(part, k)
+            if key[0] in ("x", "xbar"):  # a holder of x_b takes the parts of x_b still resident
+                for part in ((kind, key[1] + (key[0] == "xbar")) for kind in _PARTS):
+                    if part in res:
+                        freed += drop(part, k)
         t = link.start_compute(k, op, t)  # later than t only when it waits for a prefetch
         before = mem
         peak = before + created + tmp

@@ -108,13 +108,14 @@ def _sub_at(m, shift, top):  # pragma: no cover - runs compiled
     return min(m - shift, top)
 
 
-def _bounds(x, xs, xbar, tr, ftmp, ntmp, btmp, G, LOC, SAT):  # pragma: no cover - runs compiled
+def _bounds(x, xs, xbar, tr, co, ftmp, ntmp, btmp, G, LOC, SAT):  # pragma: no cover - runs compiled
     """Per pair (i, l), in slots: ``G`` the guard (DESIGN §4: the forwards of stages i..l-1 that run before Fall(i),
     while x_i is whole and δ_{l+1} resident; a leaf option with its checkpoint at j needs the part for stages
     i..j-1, ``G[i, j] - x[j+1] + x[l+1]``), ``LOC`` the least m of the chain option (the base case when i == l),
     ``SAT`` the least m from which the all-chain schedule ``Fall(i..l) B(l..i)`` fits. From SAT on nothing beats it
     (it runs each stage once) and the chain option, preferred on ties, is taken: C is constant there. ``tr[i]``: the
-    transit part of x_i, freed by Fall(i), which B(i) and the rest of the chain option do without."""
+    transit part of x_i, freed by Fall(i), which B(i) and the rest of the chain option do without; ``co[i]`` its
+    consumed part, freed by B(i), which the chain option's B(i-1) does without."""
     L = xbar.shape[0]
     for i in range(L - 1, -1, -1):
         need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] - tr[i]  # B(i): δ_i, δ_{i+1}, x̄_{i+1} and its transient
@@ -127,10 +128,11 @@ def _bounds(x, xs, xbar, tr, ftmp, ntmp, btmp, G, LOC, SAT):  # pragma: no cover
                 run = max(run, xs[i, l - 1] + xs[l - 1, l] + ntmp[l - 1])
             G[i, l] = run + x[l + 1]
             # Chain option: Fall(i) while δ_{l+1} is resident, [i+1..l] within m - (xbar[i] - tr[i]), then B(i),
-            # by when the sub-chain's Fall(i+1) has freed the transit part of the x_{i+1} inside x̄_{i+1}. (The
-            # forwards of stages beyond i run inside the sub-chain, whose own guard covers them.)
+            # by when the sub-chain's Fall(i+1) has freed the transit part of the x_{i+1} inside x̄_{i+1} and its
+            # last op B(i+1) the consumed part. (The forwards of stages beyond i run inside the sub-chain, whose own
+            # guard covers them.)
             shift = xbar[i] - tr[i]
-            LOC[i, l] = max(x[l + 1] + xbar[i] + ftmp[i], need_b - tr[i + 1], shift)
+            LOC[i, l] = max(x[l + 1] + xbar[i] + ftmp[i], need_b - tr[i + 1] - co[i + 1], shift)
             SAT[i, l] = max(LOC[i, l], shift + SAT[i + 1, l])
 
 
@@ -235,11 +237,12 @@ def _finish(C, Cch, u, F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, ilo, i,
             cho[m] = _NONE
 
 
-def _fill_table(x, xs, xbar, tr, ftmp, ntmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # pragma: no cover
+def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # pragma: no cover
     """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices.
     Sizes in slots (see ``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes the gradients δ; ``xs[i, j]`` the
     part of x_j not in x_i, what a value x_j costs while x_i is resident (DESIGN §8); ``xbar`` the part of x̄_{i+1} not
-    in x_i; ``tr[i]`` the transit part of x_i (rounded down), which Fall(i) frees.
+    in x_i; ``tr[i]`` the transit part of x_i (rounded down), which Fall(i) frees; ``co[i]`` its consumed part
+    (rounded down), which B(i) frees.
 
     Order: stages i descending, in blocks of _BLOCK; for each block, l ascending in tiles of _TILE; then every entry
     read is final (C[j, l] has j > i, C[i, j-1] has j-1 < l; sizes of 0 read the same m of those rows). m is
@@ -261,7 +264,7 @@ def _fill_table(x, xs, xbar, tr, ftmp, ntmp, btmp, fwd, bwd, C, Cch, D, Dch, thr
     G = np.empty((L, L), np.int64)
     LOC = np.empty((L, L), np.int64)
     SAT = np.empty((L, L), np.int64)
-    _bounds(x, xs, xbar, tr, ftmp, ntmp, btmp, G, LOC, SAT)
+    _bounds(x, xs, xbar, tr, co, ftmp, ntmp, btmp, G, LOC, SAT)
     B = _BLOCK
     T = _TILE
     F = np.empty((B, L + 1))  # F[i - ilo, j] = fwd[i] + ... + fwd[j-1], summed in that order
@@ -330,8 +333,10 @@ def _fill_table(x, xs, xbar, tr, ftmp, ntmp, btmp, fwd, bwd, C, Cch, D, Dch, thr
         # Chain option: Fall(i), [i+1..L] within m - xbar[i], B(i), which also holds x_L beside x̄_{i+1} unless
         # x_L is inside it (i == L-1); x_L was computed from the x_{i+1} inside x̄_{i+1}, so it costs what it does
         # beside x_{i+1}.
-        # (by B(i), the sub-spine's Fall(i+1) has freed the transit part of x_{i+1}; tr[L] = 0)
-        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L]) - tr[i] - tr[i + 1]
+        # (by B(i), the sub-spine's Fall(i+1) has freed the transit part of x_{i+1}, and its B(i+1) the consumed
+        # part; tr[L] = co[L] = 0)
+        need_b = (x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L]) - tr[i] - tr[i + 1]
+                  - co[i + 1])
         shift = xbar[i] - tr[i]
         lo = max(xbar[i] + ftmp[i], need_b, shift)
         t = fwd[i] + bwd[i]
@@ -408,7 +413,7 @@ def _rebuild(xs, xbar, tr, Cch, Dch, m0, out):  # pragma: no cover - runs compil
     return n
 
 
-def _least_memory(x, xs, xbar, tr, ftmp, ntmp, btmp):  # pragma: no cover - runs compiled
+def _least_memory(x, xs, xbar, tr, co, ftmp, ntmp, btmp):  # pragma: no cover - runs compiled
     """The least m for which ``D[m, 0]`` is finite: the same recurrences with feasibility thresholds composed by
     ``max`` (all of an option's conditions) and ``min`` (the best option). O(L^3), no slots."""
     L = xbar.shape[0]
@@ -421,7 +426,7 @@ def _least_memory(x, xs, xbar, tr, ftmp, ntmp, btmp):  # pragma: no cover - runs
             if d == 0:
                 Cm[i, l] = max(x[i + 1] + xbar[i] + ftmp[i], need_b)
                 continue
-            best = max(x[l + 1] + xbar[i] + ftmp[i], need_b - tr[i + 1], xbar[i] - tr[i] + Cm[i + 1, l])
+            best = max(x[l + 1] + xbar[i] + ftmp[i], need_b - tr[i + 1] - co[i + 1], xbar[i] - tr[i] + Cm[i + 1, l])
             g = xs[i, i + 1] + ntmp[i]  # the leaf's guard: forwards of i..j-1 with x_i whole
             for j in range(i + 1, l + 1):
                 if j - 1 > i:
@@ -432,7 +437,8 @@ def _least_memory(x, xs, xbar, tr, ftmp, ntmp, btmp):  # pragma: no cover - runs
     Dm[L] = x[L]  # δ_L
     for i in range(L - 1, -1, -1):
         xL = xs[i, L]
-        need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L]) - tr[i] - tr[i + 1]
+        need_b = (x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L]) - tr[i] - tr[i + 1]
+                  - co[i + 1])
         best = max(xbar[i] + ftmp[i], need_b, xbar[i] - tr[i] + Dm[i + 1])
         g = xs[i, i + 1] + ntmp[i]
         for j in range(i + 1, L + 1):
@@ -689,6 +695,7 @@ def dp_sizes(chain: Chain) -> dict[str, np.ndarray]:
       Fall(i) to B(i) (B(i) needs it; nothing frees it before: Fn(i) cannot run while x_{i+1} is resident).
     - ``fwd_tmp`` (of a Fall), ``nograd_tmp`` (of a Fck or Fn: ``chain.nograd_tmp_bytes``), ``bwd_tmp``.
     - ``tr`` (L+1 entries): ``chain.transit``, the part of x_i that Fall(i) frees (never shared: not handed on).
+    - ``co`` (L+1 entries): ``chain.consumed``, the part of x_i that B(i) frees when x_i is inside x̄_i.
 
     With ``chain.shared == ()`` these are the chain's own sizes (``xs[i, j] == x[j]``).
     """
@@ -702,13 +709,14 @@ def dp_sizes(chain: Chain) -> dict[str, np.ndarray]:
     return {"x": np.append(np.asarray(chain.delta_bytes, dtype=np.int64), 0), "x0": x[:1], "xs": xs, "xbar": xbar,
             "fwd_tmp": np.asarray(chain.fwd_tmp, dtype=np.int64),
             "nograd_tmp": np.asarray(chain.nograd_tmp_bytes, dtype=np.int64),
-            "bwd_tmp": np.asarray(chain.bwd_tmp, dtype=np.int64), "tr": np.asarray(chain.transit, dtype=np.int64)}
+            "bwd_tmp": np.asarray(chain.bwd_tmp, dtype=np.int64), "tr": np.asarray(chain.transit, dtype=np.int64),
+            "co": np.asarray(chain.consumed, dtype=np.int64)}
 
 
 def _slot_sizes(chain: Chain, max_budget: int, slots: int) -> dict[str, np.ndarray]:
     """:func:`dp_sizes` in slots, rounded up (exact integer arithmetic); anything above the whole budget is capped
-    at slots + 1, which is infeasible anyway and keeps sums far from overflow. Transit bytes are freed, not
-    charged: they are rounded down (and never more than the rounded-up x they are part of)."""
+    at slots + 1, which is infeasible anyway and keeps sums far from overflow. Transit and consumed bytes are freed,
+    not charged: they are rounded down (and never more than the rounded-up x they are part of)."""
     def up(v: np.ndarray) -> np.ndarray:
         if slots == max_budget:
             return np.minimum(v, slots + 1)
@@ -718,9 +726,11 @@ def _slot_sizes(chain: Chain, max_budget: int, slots: int) -> dict[str, np.ndarr
                         dtype=np.int64).reshape(v.shape)
 
     sizes = dp_sizes(chain)
-    out = {k: up(v) for k, v in sizes.items() if k != "tr"}
-    tr = sizes["tr"]
-    out["tr"] = np.minimum(tr if slots == max_budget else np.array([int(b) * slots // max_budget for b in tr],
+    freed = ("tr", "co")
+    out = {k: up(v) for k, v in sizes.items() if k not in freed}
+    for k in freed:
+        v = sizes[k]
+        out[k] = np.minimum(v if slots == max_budget else np.array([int(b) * slots // max_budget for b in v],
                                                                    dtype=np.int64), up(np.asarray(chain.x, np.int64)))
     return out
 
@@ -741,8 +751,8 @@ def store_all_peak(chain: Chain) -> int:
 def least_budget(chain: Chain) -> int:
     """The least budget (bytes, exact) within which any schedule of ``chain`` fits."""
     z = dp_sizes(chain)
-    return int(z["x0"][0] + _kernels()["least"](z["x"], z["xs"], z["xbar"], z["tr"], z["fwd_tmp"], z["nograd_tmp"],
-                                                z["bwd_tmp"]))
+    return int(z["x0"][0] + _kernels()["least"](z["x"], z["xs"], z["xbar"], z["tr"], z["co"], z["fwd_tmp"],
+                                                z["nograd_tmp"], z["bwd_tmp"]))
 
 
 def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *, offload: bool = False,
@@ -787,8 +797,9 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     Dch = np.empty((L + 1, slots + 1), choice_type)
     k = _kernels()
     with _FILL_LOCK:
-        k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["fwd_tmp"], sizes["nograd_tmp"],
-                  sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, k["threads"]())
+        k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
+                  sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch,
+                  k["threads"]())
     D0 = D[0].copy()
     del C, D  # only the choices (and the answers D[., 0]) are kept
     return Solution(chain, max_budget, slots, peak, sizes, Cch, Dch, D0)

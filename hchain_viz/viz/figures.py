@@ -314,18 +314,20 @@ def memory_curve(trace: Trace, budget: int | None = None, step: int | None = Non
 
 
 # ====================================================================== storage tape
-TAPE_KINDS = ("xbar", "out", "delta", "x", "transit", "shared")  # drawing order: narrow bars last, on top
+# Drawing order: narrow bars last, on top.
+TAPE_KINDS = ("xbar", "out", "delta", "x", "transit", "consumed", "shared")
+_PARTS = ("transit", "consumed")  # parts of x_i named in the legend only on chains that have them
 
 
 def tape_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] | None = None) -> list[dict]:
-    """Seven bar traces (x̄, output, gradient, checkpoint, transit part, shared tensor, and values on the host) of
-    item lifetimes; up to ``step`` ops when given.
+    """Eight bar traces (x̄, output, gradient, checkpoint, transit part, consumed part, shared tensor, and values on
+    the host) of item lifetimes; up to ``step`` ops when given.
 
     Row i holds x_i (its input, kept as a checkpoint), x̄_{i+1} (what its recording forward saved) and δ_i (the
     gradient its backward produced); row L holds the output x_L and δ_L. A tensor shared by several cuts from x_i on
     (DESIGN §8, e.g. the residual stream) is one thin bar on row i while any value holds it; the others leave its
     bytes out of their own. The part of x_i that no backward needs (``chain.transit``) is a thin bar on row i from its
-    making to the ``Fall(i)`` that consumes it.
+    making to the ``Fall(i)`` that frees it; the part only B(i) needs (``chain.consumed``), one to that ``B(i)``.
     """
     uname, scale = unit or style.byte_unit(view.peak)
     if step is None:
@@ -339,13 +341,14 @@ def tape_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] 
         m = keep & (view.item_kind == kind)
         stage = view.item_stage[m]  # items carry their row already: ("out", L), ("delta", L) sit on the loss row
         sub = {"x": "x_%d", "xbar": "x̄_%d", "out": "output x_%d", "delta": "δ_%d",
-               "transit": "part of x_%d no backward needs", "shared": "shared tensor from x_%d"}[kind]
+               "transit": "part of x_%d no backward needs", "consumed": "part of x_%d only its backward needs",
+               "shared": "shared tensor from x_%d"}[kind]
         shift = 1 if kind == "xbar" else 0
         text = np.array([sub % (s + shift) for s in stage.tolist()] + [""], dtype=object)[:-1]
         out.append(dict(
             type="bar", orientation="h", name=style.TAPE_LABELS[kind], y=stage, base=view.item_t0[m],
             x=t1[m] - view.item_t0[m], width=style.TAPE_WIDTHS[kind], text=text, textposition="none",
-            showlegend=kind != "transit" or any(view.trace.chain.transit),  # named only on chains that have it
+            showlegend=kind not in _PARTS or any(getattr(view.trace.chain, kind)),
             customdata=np.column_stack([view.item_size[m] / scale, view.item_t0[m], t1[m]]) if m.any()
             else np.zeros((0, 3)),
             marker=dict(color=style.TAPE_COLORS[kind], line_width=0),

@@ -36,11 +36,12 @@ KIND_COLORS = {
 KIND_LABELS = {"x": "checkpoints x", "saved": "saved activations x̄ / output", "delta": "gradients δ"}
 # Storage tape: one colour per item kind, drawn as bars of different widths so co-resident items stay visible.
 TAPE_COLORS = {"xbar": "#6baed6", "out": "#9467bd", "delta": "#fd8d3c", "x": "#238b45", "transit": "#bcbddc",
-               "shared": "#74c476"}
+               "consumed": "#807dba", "shared": "#74c476"}
 TAPE_LABELS = {"xbar": "full x̄ (saved for backward)", "out": "output x_L (held)", "delta": "gradient δ",
                "x": "checkpoint x", "transit": "x part no backward needs (freed by its Fall)",
+               "consumed": "x part only its backward needs (freed by its B)",
                "shared": "shared tensor (counted once)"}
-TAPE_WIDTHS = {"xbar": 0.9, "out": 0.9, "delta": 0.6, "x": 0.35, "transit": 0.25, "shared": 0.15}
+TAPE_WIDTHS = {"xbar": 0.9, "out": 0.9, "delta": 0.6, "x": 0.35, "transit": 0.25, "consumed": 0.2, "shared": 0.15}
 
 TOTAL_COLOR = "#222222"
 BUDGET_COLOR = "#000000"

@@ -16,7 +16,8 @@ from ..core.simulate import Trace
 
 # Resident item kinds folded into the three memory layers of the memory figure.
 LAYERS = ("x", "saved", "delta")
-_LAYER_OF = {"x": 0, "transit": 0, "shared": 0, "xbar": 1, "out": 1, "delta": 2}  # shared: a tensor in several x (§8)
+# transit, consumed: parts of an x_i; shared: a tensor in several x (§8)
+_LAYER_OF = {"x": 0, "transit": 0, "consumed": 0, "shared": 0, "xbar": 1, "out": 1, "delta": 2}
 # Op categories of the timeline, in trace order.
 CATEGORIES = ("forward", "recompute", "backward", "loss", "offload", "prefetch")
 
