@@ -81,17 +81,36 @@ def transit_storages(inputs: list[torch.Tensor], candidates: list[bool], saved: 
     pointer: those of the tensors ``inputs[k]`` with ``candidates[k]`` (made by stage i-1 and not saved by its
     backward), that this stage's backward does not save either (``saved``: data pointers of what autograd saved) and
     that it does not hand on in ``outputs``. The profiler sums their bytes; the executor frees them after Fall(i)."""
-    needed = saved | {st.data_ptr() for t in outputs if (st := storage_of(t)) is not None}
+    needed = saved | _pointers(outputs)
+    return {ptr: st for ptr, st in _candidate_storages(inputs, candidates).items() if ptr not in needed}
+
+
+def consumed_storages(inputs: list[torch.Tensor], candidates: list[bool], saved: set[int],
+                      outputs: list[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    """The storages of a stage input x_i that only this stage's backward needs (``chain.consumed``): candidates as
+    in :func:`transit_storages` that this stage saves and does not hand on. The profiler sums their bytes; the
+    executor frees them after B(i) when x_i is the output inside x̄_i."""
+    handed_on = _pointers(outputs)
+    return {ptr: st for ptr, st in _candidate_storages(inputs, candidates).items()
+            if ptr in saved and ptr not in handed_on}
+
+
+def _candidate_storages(inputs: list[torch.Tensor], candidates: list[bool]) -> dict[int, torch.UntypedStorage]:
+    """The storages of the candidate input tensors, by data pointer, less any that a non-candidate also holds."""
     found: dict[int, torch.UntypedStorage] = {}
     for t, candidate in zip(inputs, candidates):
         st = storage_of(t)
-        if candidate and st is not None and st.nbytes() and st.data_ptr() not in needed:
+        if candidate and st is not None and st.nbytes():
             found[st.data_ptr()] = st
-    for t, candidate in zip(inputs, candidates):  # a storage another input tensor holds without being a candidate
+    for t, candidate in zip(inputs, candidates):
         st = storage_of(t)
         if not candidate and st is not None:
             found.pop(st.data_ptr(), None)
     return found
+
+
+def _pointers(ts: list[torch.Tensor]) -> set[int]:
+    return {st.data_ptr() for t in ts if (st := storage_of(t)) is not None}
 
 
 def made_storages(inputs: list[torch.Tensor], outputs: list[torch.Tensor], module: torch.nn.Module) -> set[int]:
@@ -425,3 +444,49 @@ class MemoryMeter:
     @property
     def current(self) -> int:
         return self.spans[-1].end
+
+
+# ---------------------------------------------------------------------------------------------- structures
+_TENSOR = ("tensor",)  # spec of a bare tensor; others: ("seq", type, children), ("map", type, keys, children),
+# ("const", value) for anything that is not a tensor (passed through unchanged)
+
+
+def flatten(obj: Any) -> tuple[list[torch.Tensor], tuple]:
+    """The tensors inside nested tuples / lists / dicts, and a spec for :func:`unflatten` to rebuild the structure
+    around new tensors, with the containers' own types (a Hugging Face ``ModelOutput``, a namedtuple)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj], _TENSOR
+    tensors: list[torch.Tensor] = []
+    return tensors, _spec(obj, tensors)
+
+
+def _spec(obj: Any, tensors: list[torch.Tensor]) -> tuple:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _TENSOR
+    if isinstance(obj, (tuple, list)):
+        return ("seq", type(obj), [_spec(o, tensors) for o in obj])
+    if isinstance(obj, Mapping):
+        return ("map", type(obj), list(obj.keys()), [_spec(v, tensors) for v in obj.values()])
+    return ("const", obj)
+
+
+def unflatten(spec: tuple, tensors: list[torch.Tensor]) -> Any:
+    if spec is _TENSOR:
+        return tensors[0]
+    return _build(spec, iter(tensors))
+
+
+def _build(spec: tuple, it: Iterator[torch.Tensor]) -> Any:
+    tag = spec[0]
+    if tag == "tensor":
+        return next(it)
+    if tag == "const":
+        return spec[1]
+    if tag == "seq":
+        kind, items = spec[1], [_build(c, it) for c in spec[2]]
+        if kind is tuple or kind is list:
+            return kind(items)
+        return kind(*items) if hasattr(kind, "_fields") else kind(items)  # a namedtuple, or a tuple/list subclass
+    kind, keys, values = spec[1], spec[2], [_build(c, it) for c in spec[3]]
+    return kind(zip(keys, values))

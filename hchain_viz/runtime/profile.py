@@ -6,7 +6,8 @@ own, in order, on the real output of the stage before (only one stage's autograd
 - ``fwd_time`` / ``bwd_time``: medians of ``repeats`` runs after ``warmup`` runs — a forward with autograd recording,
   then the backward from the output gradient (CUDA events on a GPU, ``perf_counter`` on the CPU). The last stage's
   output gradient is the real loss gradient; the others get a dense tensor of ones of the right size.
-- ``x[i]``: bytes of stage i's input (``x[L]``: the network output), each storage counted once.
+- ``x[i]``: bytes of stage i's input (``x[L]``: the network output, and the loss computed from it with the gradient
+  its backward starts from, which the caller holds to the end of the step), each storage counted once.
 - ``xbar[i]``: the output plus what autograd saves for the backward, seen through
   ``torch.autograd.graph.saved_tensors_hooks``: each storage once, only storages the forward created (parameters,
   buffers, the stage input and constants are resident anyway).
@@ -15,6 +16,9 @@ own, in order, on the real output of the stage before (only one stage's autograd
 - ``transit[i]``: bytes of x_i that no backward needs — storages stage i-1 made and neither its saved tensors nor
   stage i's hold, and that stage i does not hand on (the pre-softmax scores; q and k that an attention product copies
   before saving): the executor frees them once Fall(i) has run (``memtrack.transit_storages``).
+- ``consumed[i]``: bytes of x_i that only B(i) needs — storages stage i-1 made and did not save, that stage i saves
+  and does not hand on (the MLP's hidden activation, which the down-projection saves): the executor frees them once
+  B(i) has run, when x_i is the output inside x̄_i (``memtrack.consumed_storages``).
 - ``fwd_tmp[i]``: peak bytes above the resident set during the recording forward (a ``Fall``), beyond what it
   leaves; ``nograd_tmp[i]``: the same for a forward without autograd (``Fck``, ``Fn``), whose intermediates are not
   saved; ``bwd_tmp[i]``: the same for the backward, beyond the input gradient.
@@ -59,7 +63,9 @@ from .memtrack import (
     AllocationLog,
     MemoryMeter,
     backward_handing_over,
+    consumed_storages,
     copy_with_layout,
+    flatten,
     made_storages,
     map_tensors,
     nbytes,
@@ -67,6 +73,7 @@ from .memtrack import (
     storages,
     tensors,
     transit_storages,
+    unflatten,
 )
 from .progress import progress_bar
 from .stages import sequentialize
@@ -136,7 +143,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
     ntmp = [0] * L
     fwd_spread, bwd_spread = [0.0] * L, [0.0] * L
-    transit, delta = [0] * (L + 1), [0] * (L + 1)
+    transit, consumed, delta = [0] * (L + 1), [0] * (L + 1), [0] * (L + 1)
     candidates: list[bool] = [False] * len(tensors(sample_input))  # x_0 is the caller's: never transit
     counts: list[tuple[int, int, int, int]] = []  # per stage, for estimate_for: fwd/bwd FLOPs and bytes
     bar = progress_bar(L, "profiling", "stage", enabled=progress)  # in a notebook, text once done
@@ -149,11 +156,14 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             bar.set_postfix_str(name, refresh=False)
             r = _StageProfile(name, stage, module, h, dev, loss_fn if i == L - 1 else None, candidates)
             r.run(warmup, repeats)
-            transit[i] = r.transit_in if i > 0 else 0
+            transit[i], consumed[i] = (r.transit_in, r.consumed_in) if i > 0 else (0, 0)
             delta[i], ntmp[i] = r.delta_in, r.nograd_tmp
             candidates = r.candidates_out
             fwd[i], bwd[i], xs[i + 1], xbar[i], ftmp[i], btmp[i] = (r.fwd_time, r.bwd_time, r.out_bytes, r.xbar,
                                                                    r.fwd_tmp, r.bwd_tmp)
+            if r.loss_bytes:  # x[L] is all the caller holds: the output and the loss (x̄_L contains x_L)
+                xs[i + 1] += r.loss_bytes
+                xbar[i] += r.loss_bytes
             fwd_spread[i], bwd_spread[i] = r.fwd_spread, r.bwd_spread
             if gpu is not None:
                 counts.append(r.counts())
@@ -201,7 +211,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     chain = Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
                   names=[n for n, _ in stages], meta=meta, fixed=fixed, groups=_groups(stages),
                   tags=[getattr(m, "tag", "") or "" for _, m in stages], shared=_shared(identity, sizes),
-                  transit=transit, delta=[*delta[:L], nbytes(r.grads)], nograd_tmp=ntmp)
+                  transit=transit, consumed=consumed, delta=[*delta[:L], nbytes(r.grads)], nograd_tmp=ntmp)
     _warn_if_noisy(chain)
     return chain
 
@@ -284,20 +294,26 @@ class _StageProfile:
         inp = self._input()
         box: list[Any] = []
         f = roofline.count_flops(lambda: box.append(self._forward(inp)))
-        diff = [t for t in tensors(box[0]) if t.requires_grad]
-        b = roofline.count_flops(lambda: torch.autograd.backward(diff, self.grads)) if diff else 0
+        outs, grads = self._graded(box[0])
+        b = roofline.count_flops(lambda: torch.autograd.backward(outs, grads)) if outs else 0
         self._clear_input_grads()
         params = nbytes(list(self.stage.parameters()))
         return (f, b, self.in_bytes + params + self.xbar,
                 self.xbar + 2 * self.in_bytes + self.out_bytes + 2 * params)
+
+    def _graded(self, out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The output tensors that get a gradient, and their gradients δ_{i+1}."""
+        diff = [t for t in tensors(out) if t.requires_grad]
+        pairs = [(t, g) for t, g in zip(diff, self.grads) if g is not None]
+        return [t for t, _ in pairs], [g for _, g in pairs]
 
     def _timed_once(self) -> tuple[float, float]:
         """Seconds of one recording forward and of its backward (the graph and copies die on return)."""
         inp = self._input()
         box: list[Any] = []
         f = _timed(lambda: box.append(self._forward(inp)), self.dev)
-        diff = [t for t in tensors(box[0]) if t.requires_grad]
-        b = _timed(lambda: torch.autograd.backward(diff, self.grads), self.dev) if diff else 0.0
+        outs, grads = self._graded(box[0])
+        b = _timed(lambda: torch.autograd.backward(outs, grads), self.dev) if outs else 0.0
         self._clear_input_grads()
         return f, b
 
@@ -314,15 +330,26 @@ class _StageProfile:
         self.passed_bytes = nbytes([tensors(out)[k] for k in self.passed_on])
         self.next_input = _leaves(out)
         diff = [t for t in tensors(out) if t.requires_grad]
-        self.loss_tmp = 0
+        self.loss_tmp = self.loss_bytes = 0
         if self.loss_fn is not None:
             # The loss is the caller's, but its memory is on the device between the last forward and B(L-1): what
             # it saves (a log-softmax over the vocabulary) and its backward's transients, beside δ_L.
+            # The loss sees the output as the executor hands it to the caller: detached aliases, so δ_L is only what
+            # the loss itself back-propagates (none for the logits beside an HF model's own loss, whose gradient
+            # arises inside the last stage's backward).
             with MemoryMeter(self.dev) as meter:
-                loss = loss_of(self.loss_fn, out)  # raises when nothing requires grad
-                grads = torch.autograd.grad(loss, diff, allow_unused=True) if diff else ()
+                flat, spec = flatten(out)
+                ends = [t.detach().requires_grad_(t.requires_grad) for t in flat]
+                loss = loss_of(self.loss_fn, unflatten(spec, ends))  # raises when nothing requires grad
+                ends = [t for t in ends if t.requires_grad]
+                grads = torch.autograd.grad(loss, ends, allow_unused=True) if ends else ()
+                del flat, ends
             self.loss_tmp = max(0, meter.peak - nbytes([g for g in grads if g is not None]))
-            self.grads = [torch.zeros_like(t) if g is None else g.detach() for g, t in zip(grads, diff)]
+            # The caller holds the loss to the end of the step, as it holds x_L, and torch.autograd.backward the
+            # gradient it starts from (ones of the loss's shape) through the whole backward.
+            self.loss_bytes = 2 * nbytes(loss)
+            # None for an output the loss does not use: the executor's δ_L has no tensor there either.
+            self.grads = [None if g is None else g.detach() for g in grads]
         else:
             self.grads = [torch.ones_like(t) for t in diff]
 
@@ -350,17 +377,19 @@ class _StageProfile:
             ins, outs = tensors(inp), tensors(out)
             unneeded = transit_storages(ins, self.candidates_in, saved_ptrs, outs)
             self.transit_in = sum(st.nbytes() for st in unneeded.values())
+            only_here = consumed_storages(ins, self.candidates_in, saved_ptrs, outs)
+            self.consumed_in = sum(st.nbytes() for st in only_here.values())
             # Which output tensors the next stage's transit may hold: made here, not saved for this backward.
             made = made_storages(ins, outs, self.module) - saved_ptrs
             self.candidates_out = [(st := storage_of(t)) is not None and st.data_ptr() in made for t in outs]
-            del ins, outs, unneeded, out_storages
+            del ins, outs, unneeded, only_here, out_storages
             if cuda_log is not None:
                 cuda_log.mark()
             meter.mark()  # span 0: the recording forward; span 1: δ_{i+1}; span 2: the backward
             # The backward as the executor runs it: δ_{i+1} handed over, so autograd frees it once done with it (a
             # copy made inside the meter, so its early free is seen). The outputs stay referenced to the end: freeing
             # them early too was seen to under-predict a BERT layer's recomputation (by 256 KiB, not understood).
-            pairs = [(t, g.clone()) for t, g in zip((t for t in tensors(out) if t.requires_grad), self.grads)]
+            pairs = [(t, g.clone()) for t, g in zip(*self._graded(out))]
             outs = tensors(out)
             meter.mark()
             backward_handing_over(pairs)
@@ -372,8 +401,11 @@ class _StageProfile:
         del inp
         log = cuda_log if cuda_log is not None else meter.log
         created = log.created_addresses(0)
-        self.xbar = self.out_bytes + sum(size for ptr, size in set(kept.values()) if ptr in created)
         fwd, _, bwd = meter.spans
+        # What the forward left is at least what the allocator still holds of it: autograd also keeps what no hook
+        # sees (the scalar of ``t * 0.125``, wrapped as a tensor of its own).
+        self.xbar = max(self.out_bytes + sum(size for ptr, size in set(kept.values()) if ptr in created),
+                        fwd.end + self.passed_bytes)
         fwd_peak, bwd_peak = fwd.peak, bwd.peak - bwd.start
 
         inp = self._input()
@@ -387,8 +419,10 @@ class _StageProfile:
         passed = self.passed_bytes
         self.fwd_tmp = max(0, fwd_peak - (self.xbar - passed))
         self.nograd_tmp = max(0, nograd_peak - (self.out_bytes - passed))
-        # The last stage's backward runs right after the loss's: its transient covers the loss's (see _probe).
-        self.bwd_tmp = max(0, bwd_peak - self.in_bytes, self.loss_tmp) + BACKWARD_SLACK
+        # Beyond the δ_i it leaves (the simulator charges delta[i] beside it: not x_i's bytes, which differ for ids,
+        # masks and broadcast views). The last stage's backward runs right after the loss's: its transient covers
+        # the loss's (see _probe).
+        self.bwd_tmp = max(0, bwd_peak - self.delta_in, self.loss_tmp) + BACKWARD_SLACK
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -32,7 +32,16 @@ from ..core.schedule import Schedule
 from ..core.simulate import simulate
 from ..errors import HChainError, InvalidSchedule, NotSequentialError
 from .compiled import check_not_compiled, compile_options, compile_stage, describe
-from .memtrack import backward_handing_over, cuda_devices, made_storages, transit_storages
+from .memtrack import (
+    backward_handing_over,
+    consumed_storages,
+    cuda_devices,
+    flatten,
+    made_storages,
+    storage_of,
+    transit_storages,
+    unflatten,
+)
 from .stages import buffer_snapshot, sequentialize
 from .transfer import Link, box_holder, data_holder, storage_key
 
@@ -91,8 +100,8 @@ class ScheduledModule(nn.Module):
         self.schedule = _as_schedule(schedule)
         self.preserve_rng_state = bool(preserve_rng_state)
         self.compile_options = compile_options(compile)
-        self.length, events = _check_grammar(self.schedule)
-        self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length, events)
+        self.length, self._events = _check_grammar(self.schedule)
+        self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length, self._events)
         self.stages: list[tuple[str, nn.Module]] | None = None
         self._stage_modules: list[nn.Module] = []
         self._runners: list[Any] = []  # what runs stage i: its module, or its compiled version
@@ -125,6 +134,9 @@ class ScheduledModule(nn.Module):
         self.stages = list(stages)
         self._stage_modules = [m for _, m in stages]
         self._grad_mask_for = None  # new stages: learn which cut tensors need a gradient again
+        params = [{id(p) for p in m.parameters() if p.requires_grad} for m in self._stage_modules]
+        self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length, self._events,
+                                                                            params)
         options = self.compile_options
         self._runners = (self._stage_modules if options is None
                          else [compile_stage(m, options, len(stages)) for m in self._stage_modules])
@@ -158,12 +170,12 @@ class ScheduledModule(nn.Module):
         self._ensure_stages(x)
         self._learn_grad_mask(x)
         step = _Step(self, x)
-        flat, _ = _flatten(x)
+        flat, _ = flatten(x)
         # The dummy makes autograd call our backward even when no input requires grad (parameters still need it).
         dummy = torch.empty(0, requires_grad=True)
         token = _RunForward.apply(step, dummy, *flat)
         outputs = _Output.apply(step, token)
-        return _unflatten(step.out_spec, list(outputs))
+        return unflatten(step.out_spec, list(outputs))
 
     def _learn_grad_mask(self, x: Any) -> None:
         """Which tensors of each cut need a gradient (``_grad_mask``), as eager autograd decides: one forward, stage
@@ -177,12 +189,12 @@ class ScheduledModule(nn.Module):
         restore = buffer_snapshot(self._stage_modules)
         try:
             with torch.random.fork_rng(devices=cuda_devices(x)), torch.enable_grad():
-                flat, spec = _flatten(x)
+                flat, spec = flatten(x)
                 for i, stage in enumerate(self._stage_modules):  # eager: compiled stages would compile again
                     leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in flat]  # a copy: in-place
-                    feed = _unflatten(spec, [_Alias.apply(t) if t.requires_grad else t for t in leaves])
+                    feed = unflatten(spec, [_Alias.apply(t) if t.requires_grad else t for t in leaves])
                     out = stage(feed)
-                    flat, spec = _flatten(out)
+                    flat, spec = flatten(out)
                     self._grad_mask[i + 1] = [t.requires_grad for t in flat]
                     flat = [t.detach().requires_grad_(t.requires_grad) for t in flat]
                     del feed, leaves, out
@@ -226,6 +238,9 @@ class _Step:
         # forward of stage i-1 made; per stage i, those of what its last Fall saved for its backward.
         self.made: dict[int, set[int]] = {}
         self.saved: dict[int, set[int]] = {}
+        # For freeing consumed bytes (chain.consumed): per boundary i whose x_i is the output inside x̄_i, the data
+        # pointers of the storages of x_i that only B(i) needs.
+        self.consumed: dict[int, set[int]] = {}
         self.devices = cuda_devices(x0)
         self.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
         self.autocast_cache = torch.is_autocast_cache_enabled()
@@ -256,7 +271,7 @@ class _Step:
         """The output x_L for the caller (detached aliases: the caller holds it, we keep no extra reference)."""
         out = self.out if self.out is not None else self.xbar[self.L - 1][1]
         self.out = None
-        flat, self.out_spec = _flatten(out)
+        flat, self.out_spec = flatten(out)
         return [t.detach() for t in flat]
 
     # ------------------------------------------------------------------ ops
@@ -273,7 +288,7 @@ class _Step:
         if i in self.xbar and self.xbar[i] is not _SPENT:
             holders = self._xbar_holders(i)
         else:
-            holders = [data_holder(t) for t in _flatten(self.x[i])[0]]
+            holders = [data_holder(t) for t in flatten(self.x[i])[0]]
         self.link.off(i, holders)
 
     def _xbar_holders(self, i: int) -> list:
@@ -281,10 +296,10 @@ class _Step:
         them, minus what stays resident anyway (input, parameters, buffers, the caller's output)."""
         leaves, out = self.xbar[i]
         stage = self.m._stage_modules[i]
-        inputs = leaves if leaves is not None else _flatten(self._input(i))[0]
+        inputs = leaves if leaves is not None else flatten(self._input(i))[0]
         resident = {storage_key(t) for t in [*inputs, *stage.parameters(), *stage.buffers()] if t is not None}
         boxes = [b for b in self.link.boxes.get(i, []) if storage_key(b.t) not in resident]
-        outs = [t for t in _flatten(out)[0] if storage_key(t) not in resident] if i + 1 < self.L else []
+        outs = [t for t in flatten(out)[0] if storage_key(t) not in resident] if i + 1 < self.L else []
         moved = {storage_key(b.t) for b in boxes} | {storage_key(t) for t in outs}
         holders = [box_holder(b) for b in boxes] + [data_holder(t) for t in outs]
         nxt = self.xbar.get(i + 1)
@@ -299,7 +314,7 @@ class _Step:
         if self.link is not None:
             self.link.wait_for((i - 1, i))  # a prefetch of its input must have arrived
         x_in = self._input(i)
-        flat, spec = _flatten(x_in)
+        flat, spec = flatten(x_in)
         in_xbar = i not in self.x  # x_i is the output inside x̄_i (what Fall(i-1) left)
         if kind == "Fall":
             if joined:
@@ -317,20 +332,20 @@ class _Step:
                 alias = m._mutates[i] is not False
                 versions = [t._version for t in leaves]
                 with self._mode(grad=True, in_backward=in_backward), self._packing(i):
-                    feed = _unflatten(spec, [_Alias.apply(t) if alias and t.requires_grad else t for t in leaves])
+                    feed = unflatten(spec, [_Alias.apply(t) if alias and t.requires_grad else t for t in leaves])
                     out = self._call(stage, feed, i, role)
                 del feed
                 self._learn_mutation(i, leaves, versions)
                 self.xbar[i] = (leaves, out)
             self._note_made(i, flat, out)
-            self._free_transit(i, flat, out, in_xbar)
+            self._free_transit(i, flat, out, in_xbar, joined)
             return
         # NOTE [in-place inputs]: Fck keeps x_i for a later forward of stage i. A stage seen writing into its input
         # runs on a copy, so the kept checkpoint is never corrupted; so does a stage not seen yet (the first step
         # only: what each stage does is learned from its input's version counter).
         protect = kind == "Fck" and m._mutates[i] is not False
-        feed = _unflatten(spec, [t.detach().clone() for t in flat]) if protect else x_in
-        fed = _flatten(feed)[0] if protect else flat
+        feed = unflatten(spec, [t.detach().clone() for t in flat]) if protect else x_in
+        fed = flatten(feed)[0] if protect else flat
         versions = [t._version for t in fed]
         with self._mode(grad=False, in_backward=in_backward):
             out = self._call(stage, feed, i, role)
@@ -363,21 +378,27 @@ class _Step:
     def _note_made(self, i: int, inputs: list[torch.Tensor], out: Any) -> None:
         """Remember which storages of x_{i+1} the forward of stage i made (not handed on from its input)."""
         if self.link is None and i + 1 < self.L:
-            self.made[i + 1] = made_storages(inputs, _flatten(out)[0], self.m._stage_modules[i])
+            self.made[i + 1] = made_storages(inputs, flatten(out)[0], self.m._stage_modules[i])
 
-    def _free_transit(self, i: int, inputs: list[torch.Tensor], out: Any, in_xbar: bool) -> None:
+    def _free_transit(self, i: int, inputs: list[torch.Tensor], out: Any, in_xbar: bool, joined: bool) -> None:
         # NOTE [memory model]: after Fall(i), the part of x_i that no backward needs is freed (chain.transit, DESIGN
         # §3 as amended): storages stage i-1 made that neither its graph (when x_i is inside x̄_i) nor stage i's
         # saved and that stage i does not hand on. Eager autograd frees them here too; we hold them in x̄_i or in a
         # checkpoint, so their memory is released in place (no backward and no later forward reads them: a forward
         # of stage i cannot run again before B(i)). The tensors stay, for their shapes (δ_i matches them).
+        self.consumed.pop(i, None)  # only this Fall's input counts (an earlier one's was recomputed)
         if self.link is not None or i == 0 or i not in self.made:
             return
-        made = self.made[i]
-        saved = self.saved[i] | (self.saved.get(i - 1, set()) if in_xbar else set())
-        candidates = [storage_key(t) in made for t in inputs]
-        for st in transit_storages(inputs, candidates, saved, _flatten(out)[0]).values():
+        before = self.saved.get(i - 1, set()) if in_xbar else set()  # what B(i-1) needs of x_i
+        candidates = [(key := storage_key(t)) in self.made[i] and key not in before for t in inputs]
+        outs = flatten(out)[0]
+        for st in transit_storages(inputs, candidates, self.saved[i], outs).values():
             st.resize_(0)
+        # NOTE [memory model]: the part of x_i that only B(i) needs goes after B(i) (chain.consumed), when x_i is the
+        # output inside x̄_i: held there until B(i-1), it is released in place by _backward_op. A joined stage needs
+        # nothing: its input is no tensor of ours, and autograd frees it once B(i) is done with it, as in eager mode.
+        if in_xbar and not joined:
+            self.consumed[i] = set(consumed_storages(inputs, candidates, self.saved[i], outs))
 
     def _backward_op(self, i: int) -> None:
         # NOTE [memory model]: B(i) frees δ_{i+1}, x̄_{i+1} (the graph and output of Fall(i)) and, when x_i is a plain
@@ -394,18 +415,30 @@ class _Step:
             leaves, out = self.xbar[k][0], self.xbar[i][1]
             for j in range(k, i + 1):
                 self.xbar[j] = _SPENT
-            pairs = [(o, g) for o, g in zip(_flatten(out)[0], delta_next) if g is not None and o.requires_grad]
+            pairs = [(o, g) for o, g in zip(flatten(out)[0], delta_next) if g is not None and o.requires_grad]
             del out, delta_next
             backward_handing_over(pairs)
             self.group_delta = [t.grad if t is not None and t.requires_grad else None for t in leaves]
             del leaves
         del self.xbar[i]
+        self._free_consumed(i)
         self.rng.pop(i, None)  # no replay of stage i after its backward
         if i == k:
             self.delta[i], self.group_delta = self.group_delta, []
         else:
             self.delta[i] = _SPENT
         self.x.pop(i, None)
+
+    def _free_consumed(self, i: int) -> None:
+        """After B(i): release the storages of x_i that only B(i) needed (noted at its Fall, see _free_transit), in
+        the output inside x̄_i, which stays for B(i-1); the tensors stay, for their shapes."""
+        keys = self.consumed.pop(i, None)
+        if not keys:
+            return
+        for t in flatten(self.xbar[i - 1][1])[0]:
+            st = storage_of(t)
+            if st is not None and st.data_ptr() in keys:
+                st.resize_(0)
 
     def _leaf(self, t: torch.Tensor, i: int, k: int) -> torch.Tensor:
         """A detached alias of input tensor k of stage i, requiring grad when eager autograd would track it."""
@@ -465,17 +498,25 @@ class _Step:
                 mod._buffers[name] = original.clone()
                 swapped.append((mod, name, original))
             if i in self.rng:
-                with torch.random.fork_rng(devices=self.devices):
-                    cpu, cuda = self.rng[i]
-                    torch.set_rng_state(_state_tensor(cpu))
-                    for d, state in zip(self.devices, cuda):
-                        torch.cuda.set_rng_state(_state_tensor(state), d)
+                # Forked by hand, the state kept as bytes: torch.random.fork_rng would hold a 5 KB tensor through the
+                # stage's forward, beyond its profiled transient.
+                now = self._rng_state()
+                self._set_rng_state(self.rng[i])
+                try:
                     yield
+                finally:
+                    self._set_rng_state(now)
             else:
                 yield
         finally:
             for mod, name, original in swapped:
                 mod._buffers[name] = original
+
+    def _set_rng_state(self, state: tuple[bytes, list[bytes]]) -> None:
+        cpu, cuda = state
+        torch.set_rng_state(_state_tensor(cpu))
+        for d, st in zip(self.devices, cuda):
+            torch.cuda.set_rng_state(_state_tensor(st), d)
 
     def _mode(self, *, grad: bool, in_backward: bool) -> contextlib.AbstractContextManager:
         """Grad mode of the op, and the caller's autocast: re-entered for recomputations during the backward; its
@@ -603,13 +644,17 @@ def _length_mismatch(schedule: Schedule, L: int, stages: list[tuple[str, nn.Modu
     )
 
 
-def _compile(schedule: Schedule, L: int, events: list) -> tuple[list[_Op], list[_Op], list[int]]:
+def _compile(schedule: Schedule, L: int, events: list,
+             params: list[set[int]] | None = None) -> tuple[list[_Op], list[_Op], list[int]]:
     """Split the ops at Loss; give each forward its role (_ONLY, _FIRST, _REPLAY) and say whether a Fall joins the
     graph of the stage before it (``events``: the schedule's simulated events, for what is resident before each op).
     Also, per stage i, the first stage k of the group B(i) belongs to.
 
     Fall(i) joins stage i-1's graph when it reads x_i from inside x̄_i (not from a plain checkpoint) and B(i-1)
-    comes right after B(i): then nothing needs δ_i on its own, and one backward runs both stages.
+    comes right after B(i): then nothing needs δ_i on its own, and one backward runs both stages. Not when stage i
+    shares a parameter with its would-be group (``params``: ids of each stage's trainable parameters, once known):
+    one backward through two users of a weight (GPT-2's tied embedding and output layer) holds the first gradient
+    until the second arrives, beyond what the memory model charges; apart, each is added to ``.grad`` at once.
     """
     runs: dict[int, int] = {}
     for op in schedule.ops:
@@ -634,8 +679,12 @@ def _compile(schedule: Schedule, L: int, events: list) -> tuple[list[_Op], list[
         ops.append((op.kind, op.stage, role, joined))
     group_start = list(range(L))
     for i in range(1, L):
+        if i in joined_stages and params is not None:
+            if params[i] & set().union(*params[group_start[i - 1]:i]):
+                joined_stages.discard(i)
         if i in joined_stages:
             group_start[i] = group_start[i - 1]
+    ops = [(kind, i, role, joined and i in joined_stages) for kind, i, role, joined in ops]
     k = next(n for n, op in enumerate(ops) if op[0] == "Loss")
     return ops[:k], ops[k + 1:], group_start
 
@@ -662,48 +711,3 @@ def _add_model_prefix(module: nn.Module, state_dict: dict, prefix: str, *args: A
         own = prefix[:-1]
         for key in [k for k in metadata if k == own or k.startswith(prefix)]:
             metadata.setdefault(prefix + "model" + (f".{key[len(prefix):]}" if key != own else ""), metadata[key])
-
-
-# ---------------------------------------------------------------------------------------------- structures
-_TENSOR = ("tensor",)  # spec of a bare tensor; others: ("seq", type, children), ("map", type, keys, children),
-# ("const", value) for anything that is not a tensor (passed through unchanged)
-
-
-def _flatten(obj: Any) -> tuple[list[torch.Tensor], tuple]:
-    """The tensors inside nested tuples / lists / dicts, and a spec to rebuild the structure around new tensors."""
-    if isinstance(obj, torch.Tensor):
-        return [obj], _TENSOR
-    tensors: list[torch.Tensor] = []
-    return tensors, _spec(obj, tensors)
-
-
-def _spec(obj: Any, tensors: list[torch.Tensor]) -> tuple:
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _TENSOR
-    if isinstance(obj, (tuple, list)):
-        return ("seq", type(obj), [_spec(o, tensors) for o in obj])
-    if isinstance(obj, Mapping):
-        return ("map", type(obj), list(obj.keys()), [_spec(v, tensors) for v in obj.values()])
-    return ("const", obj)
-
-
-def _unflatten(spec: tuple, tensors: list[torch.Tensor]) -> Any:
-    if spec is _TENSOR:
-        return tensors[0]
-    return _build(spec, iter(tensors))
-
-
-def _build(spec: tuple, it: Iterator[torch.Tensor]) -> Any:
-    tag = spec[0]
-    if tag == "tensor":
-        return next(it)
-    if tag == "const":
-        return spec[1]
-    if tag == "seq":
-        kind, items = spec[1], [_build(c, it) for c in spec[2]]
-        if kind is tuple or kind is list:
-            return kind(items)
-        return kind(*items) if hasattr(kind, "_fields") else kind(items)  # a namedtuple, or a tuple/list subclass
-    kind, keys, values = spec[1], spec[2], [_build(c, it) for c in spec[3]]
-    return kind(zip(keys, values))
