@@ -30,3 +30,23 @@ def test_llama_chain_from_analytic_counts():
     assert "estimate" in c.meta["times"]
     rate = sum(llama_chain().xbar) / llama_chain().store_all_time
     assert 50 * 2**30 < rate < 80 * 2**30  # activations at about the rate of a PCIe 5.0 link
+
+
+# ---------------------------------------------------------------------------------------------- bench transformers
+def test_transformers_bench_runs_on_a_tiny_nanogpt(capsys):
+    """The table has a row per granularity with every column filled, the simulated headroom beside the measured
+    gains, and no schedule measured above its prediction."""
+    import pytest
+
+    pytest.importorskip("torch")
+    from hchain_viz.__main__ import main
+
+    main(["bench", "transformers", "--models", "nanogpt", "--layers", "2", "--hidden", "32", "--seq", "16",
+          "--batch", "2", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "simulated: ckpt_seq / per-layer / selective" in out and "measured above predicted" not in out
+    table = out[out.rindex("model "):].splitlines()
+    rows = [line.split() for line in table[1:] if line.strip()]
+    assert [r[:2] for r in rows] == [["nanogpt", "module"], ["nanogpt", "sublayer"]]
+    # the last column ends with the simulated gain over selective recomputation, which needs sub-layer stages
+    assert rows[0][-1] == "n/a" and rows[1][-1].endswith("%")

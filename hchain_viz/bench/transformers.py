@@ -14,6 +14,8 @@ attention (the attention probabilities are materialised, as in the issue's hand 
   as another and are slower are left out), over full per-layer recomputation at its measured peak, and over
   Megatron's selective recomputation at its measured peak ("n/a" where the optimal schedule has no point at or
   under that peak). A schedule measured above its prediction is reported on a line of its own.
+- the same three gains in the model alone (predicted peaks, simulated times): the headroom a perfect executor would
+  measure, which says whether a small measured gain comes from the run or from the chain itself.
 
 Every strategy is a Schedule run by the same executor (``hcv.wrap``); step times are medians of ``--rounds``
 interleaved rounds (a warm-up round first, shuffled order each round).
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import positive_int, print_table
+from . import pareto_efficient, positive_int, print_table
 
 ALL = ("nanogpt", "gpt2", "llama", "bert")
 GRANULARITIES = ("module", "sublayer")
@@ -55,7 +57,7 @@ def run(args: list[str]) -> None:
           f"{opts.layers} layers of width {opts.hidden}, batch {opts.batch} x {opts.seq} tokens, eager attention; "
           f"step times: median of {opts.rounds} interleaved rounds")
     head = ("model", "granularity", "stages", "extract", "measured/predicted peak", "vs ckpt_seq (Pareto n/all)",
-            "vs per-layer", "vs selective")
+            "vs per-layer", "vs selective", "simulated: ckpt_seq / per-layer / selective")
     rows = []
     for name in (n.strip() for n in opts.models.split(",") if n.strip()):
         if name not in ALL:
@@ -87,7 +89,7 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.profile import profile
     from ..runtime.wrap import wrap
-    from . import optimal_at, pareto_efficient
+    from . import optimal_at
     from .train import _interleaved_times
 
     model.train()
@@ -116,7 +118,8 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     schedules = baselines + optimal
     modules = [wrap(seq, s) for s in schedules]
     peaks = base_peaks + [peak_of(s) for s in optimal]
-    predicted = [predicted_of(s) for s in schedules]
+    traces = [simulate(chain, s) for s in schedules]
+    predicted = [t.peak_memory for t in traces]
     ratios = [p / q for p, q in zip(peaks, predicted)]
     for p, q, s in zip(peaks, predicted, schedules):
         if p > q:  # an under-prediction: a schedule the solver says fits would not
@@ -125,21 +128,31 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
     for p in model.parameters():
         p.grad = None
-    opt = list(zip(peaks[len(baselines):], times[len(baselines):]))
+    n, k = len(ckpt), len(baselines)
+    pct = lambda g: "n/a" if g is None else f"{100 * g:+.1f}%"  # noqa: E731
+    measured = _gains(list(zip(peaks, times)), n, k)
+    # The same gains in the model alone (predicted peaks and simulated times): what a perfect executor would show.
+    simulated = _gains([(t.peak_memory, t.makespan) for t in traces], n, k)
+    ckpt_all = f" ({measured[1]}; all n: {pct(measured[2])})" if measured[0] is not None else ""
+    return (f"{chain.length} ({layers} layers)", f"{seconds:.2f} s", f"{min(ratios):.3f}-{max(ratios):.3f}",
+            pct(measured[0]) + ckpt_all, pct(measured[3]), pct(measured[4]),
+            " / ".join(pct(g) for g in (simulated[0], simulated[3], simulated[4])))
 
-    def gain(peak: int, t: float) -> float | None:
+
+def _gains(points: list[tuple[float, float]], n: int, k: int) -> tuple:
+    """Step-time gains of the optimal schedules (``points[k:]``, as (peak, time)) over ``checkpoint_sequential``
+    (``points[:n]``: the mean over its Pareto-efficient counts, how many those are of how many have a gain, and the
+    mean over all), per-layer (``points[n]``) and selective recomputation (``points[n + 1]`` when ``k > n + 1``): each
+    baseline against the fastest optimal schedule within its peak; None where none fits."""
+    opt = points[k:]
+
+    def gain(peak: float, t: float) -> float | None:
         fits = [o_time for o_peak, o_time in opt if o_peak <= peak]
         return t / min(fits) - 1.0 if fits else None
 
-    n = len(ckpt)
-    points = list(zip(peaks[:n], times[:n]))
-    gains = [(gain(p, t), keep) for (p, t), keep in zip(points, pareto_efficient(points))]
+    ckpt = points[:n]
+    gains = [(gain(p, t), keep) for (p, t), keep in zip(ckpt, pareto_efficient(ckpt))]
     kept = [g for g, keep in gains if keep and g is not None]
     every = [g for g, _ in gains if g is not None]
-    vs_ckpt = (f"{100 * statistics.mean(kept):+.1f}% ({len(kept)}/{len(every)}; all n: "
-               f"{100 * statistics.mean(every):+.1f}%)" if kept else "n/a")
-    g_full = gain(peaks[n], times[n])
-    g_sel = gain(peaks[n + 1], times[n + 1]) if sel is not None else None
-    pct = lambda g: "n/a" if g is None else f"{100 * g:+.1f}%"  # noqa: E731
-    return (f"{chain.length} ({layers} layers)", f"{seconds:.2f} s", f"{min(ratios):.3f}-{max(ratios):.3f}",
-            vs_ckpt, pct(g_full), pct(g_sel))
+    return (statistics.mean(kept) if kept else None, f"{len(kept)}/{len(every)}",
+            statistics.mean(every) if every else None, gain(*points[n]), gain(*points[n + 1]) if k > n + 1 else None)
