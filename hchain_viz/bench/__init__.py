@@ -68,10 +68,11 @@ def positive_int(text: str) -> int:
 
 
 def optimal_at(chain: Chain, budget: int) -> Schedule:
-    """The optimal schedule for one budget, solved at that budget's own resolution (a slot is 1/4000 of it).
+    """The optimal schedule for one budget, solved at that budget's own resolution (a slot is 1/20000 of it).
 
     Read from one table up to store-all instead, a budget that is exactly a baseline's peak loses up to a slot per
-    held value to rounding: often enough to miss that very baseline, and the comparison at equal memory is unfair."""
+    held value to rounding: often enough to miss that very baseline, and the comparison at equal memory is unfair.
+    (Even at this resolution the rounding can cost a few KiB: see ``bench transformers``.)"""
     from ..core.solver import optimal_schedule
 
-    return optimal_schedule(chain, budget, slots=4000)
+    return optimal_schedule(chain, budget, slots=20000)
