@@ -104,3 +104,16 @@ def test_measure_on_cuda():
     m3, m5 = measure(model, x, repeats=2), measure(deeper, x, repeats=2)
     assert m3.device.startswith("cuda") and m3.step_time > 0
     assert m5.peak_bytes - m3.peak_bytes == 2 * 16 * 64 * 4  # blocks of 4 KiB: multiples of 512 bytes
+
+
+def test_solving_leaves_torch_thread_count_alone():
+    """Numba's OpenMP threading layer would set the process's OpenMP thread count, which PyTorch's CPU ops share: a
+    solve then undid torch.set_num_threads(1), and oneDNN's convolution backward allocated a weight-gradient buffer
+    per thread, beyond every prediction. The solver prefers a threading layer with threads of its own."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        hcv.solve(hcv.Chain.random(12, seed=3))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -105,12 +105,14 @@ def _gains(stages: list[tuple[str, nn.Module]], x: Any, loss_fn: Callable,
     sol = solve(chain)
     L = chain.length
     ckpt = [(_CheckpointSequential(seq, n), simulate(chain, periodic(chain, n)).peak_memory) for n in range(1, L + 1)]
+    ckpt_peaks = [measure(m, x, loss_fn, repeats=1).peak_bytes for m, _ in ckpt]
     lo, hi = sol.min_budget, sol.store_all_peak
     budgets = {lo + (hi - lo) * k // max(1, opts.budgets - 1) for k in range(opts.budgets)}
-    budgets |= {p for _, p in ckpt if lo <= p <= hi}
+    # each count's predicted and measured peak: PyTorch's checkpoint_sequential can measure below our prediction of it
+    budgets |= {p for (_, predicted), measured in zip(ckpt, ckpt_peaks) for p in (predicted, measured) if lo <= p <= hi}
     optimal = [wrap(seq, optimal_at(chain, b)) for b in sorted(budgets)]
     modules = [m for m, _ in ckpt] + optimal
-    peaks = [measure(m, x, loss_fn, repeats=1).peak_bytes for m in modules]
+    peaks = ckpt_peaks + [measure(m, x, loss_fn, repeats=1).peak_bytes for m in optimal]
     times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
     for p in seq.parameters():
         p.grad = None

@@ -450,7 +450,7 @@ def _least_memory(x, xs, xbar, tr, co, ftmp, ntmp, btmp):  # pragma: no cover - 
 
 
 _compiled: dict[str, Any] = {}
-# One table fill at a time: _fill_table runs on Numba's threads, and its default threading layer (workqueue) aborts
+# One table fill at a time: _fill_table runs on Numba's threads, and its workqueue threading layer (see _kernels) aborts
 # the process when two Python threads launch parallel kernels at once (say, two explorers solving in the background).
 _FILL_LOCK = threading.Lock()
 
@@ -464,6 +464,12 @@ def _kernels() -> dict[str, Any]:
             raise DependencyError("the solver needs Numba: pip install numba (it comes with pip install hchain_viz)") \
                 from None
 
+        # Numba's OpenMP layer sets the process's OpenMP thread count, which PyTorch's CPU ops share: one solve would
+        # undo torch.set_num_threads, and change what some kernels allocate (oneDNN's convolution backward keeps a
+        # weight-gradient buffer per thread: 2.25 MiB more on a small ResNet, beyond every prediction). Unless the
+        # user chose a layer, prefer those with threads of their own (read at the first parallel launch).
+        if numba.config.THREADING_LAYER == "default":
+            numba.config.THREADING_LAYER_PRIORITY = ["tbb", "workqueue", "omp"]
         # Callees first: a kernel resolves the helpers it calls (and prange) through the module globals when it
         # compiles.
         g = globals()
