@@ -204,6 +204,24 @@ class _Shift(nn.Module):
         return self.lin(y * 2 + 1)
 
 
+def _check_schedules(model, x, chain, schedules, *, lowest):
+    """Each schedule, run by the executor: measured peak within [lowest, 1] of its prediction, and gradients equal
+    to eager training's, bit for bit."""
+    from hchain_viz.runtime.wrap import wrap
+
+    eager = copy.deepcopy(model)
+    default_loss(eager(x)).backward()
+    for s in schedules:
+        wrapped = wrap(model, s)
+        measured = measure(wrapped, x, repeats=1).peak_bytes
+        predicted = hcv.simulate(chain, s).peak_memory
+        assert lowest * predicted <= measured <= predicted, (s.meta.get("strategy"), measured, predicted)
+        model.zero_grad(set_to_none=True)
+        default_loss(wrapped(x)).backward()
+        for p, q in zip(model.parameters(), eager.parameters()):
+            assert torch.equal(p.grad, q.grad)
+
+
 def test_transit_bytes_are_found_freed_and_predicted(monkeypatch):
     """DESIGN §3 as amended: x_1 = W x_0 is needed by no backward; the profile says so (transit[1] = its bytes), the
     executor frees it after Fall(1) (store-all's measured peak is that much lower than with it held), every
@@ -217,17 +235,7 @@ def test_transit_bytes_are_found_freed_and_predicted(monkeypatch):
     chain = profile(model, x, warmup=0, repeats=1, progress=False)
     y_bytes = 512 * 64 * 4
     assert chain.transit == (0, y_bytes, 0, 0)
-    eager = copy.deepcopy(model)
-    default_loss(eager(x)).backward()
-    for s in [strategies.store_all(chain), strategies.recompute_all(chain)]:
-        wrapped = wrap(model, s)
-        measured = measure(wrapped, x, repeats=1).peak_bytes
-        predicted = hcv.simulate(chain, s).peak_memory
-        assert 0.8 * predicted <= measured <= predicted, (s.meta.get("strategy"), measured, predicted)
-        model.zero_grad(set_to_none=True)
-        default_loss(wrapped(x)).backward()
-        for p, q in zip(model.parameters(), eager.parameters()):
-            assert torch.equal(p.grad, q.grad)
+    _check_schedules(model, x, chain, [strategies.store_all(chain), strategies.recompute_all(chain)], lowest=0.8)
     held = hcv.simulate(chain.__class__.from_dict({**chain.to_dict(), "transit": None}), strategies.store_all(chain))
     assert held.peak_memory - hcv.simulate(chain, strategies.store_all(chain)).peak_memory == y_bytes
     freed = measure(wrap(model, strategies.store_all(chain)), x, repeats=1).peak_bytes
@@ -273,17 +281,8 @@ def test_consumed_bytes_are_found_freed_and_predicted(monkeypatch):
     apart = hcv.Schedule.parse("Fck0 Fn1 Fall2 Fall3 Fall4 Loss B4 B3 Fck0 B2 Fall1 B1 Fall0 B0")
     assert str(hcv.simulate(chain, apart).events[8].op) == "Fck0"  # the peak: the recomputation between B3 and B2
     assert hcv.simulate(chain, apart).peak_index == 8
-    eager = copy.deepcopy(model)
-    default_loss(eager(x)).backward()
-    for s in [strategies.store_all(chain), strategies.recompute_all(chain), apart]:
-        wrapped = wrap(model, s)
-        measured = measure(wrapped, x, repeats=1).peak_bytes
-        predicted = hcv.simulate(chain, s).peak_memory
-        assert 0.9 * predicted <= measured <= predicted, (s.meta.get("strategy"), measured, predicted)
-        model.zero_grad(set_to_none=True)
-        default_loss(wrapped(x)).backward()
-        for p, q in zip(model.parameters(), eager.parameters()):
-            assert torch.equal(p.grad, q.grad)
+    _check_schedules(model, x, chain, [strategies.store_all(chain), strategies.recompute_all(chain), apart],
+                     lowest=0.9)
     monkeypatch.setattr(wrap_module._Step, "_free_consumed", lambda *args: None)
     kept = measure(wrap(model, apart), x, repeats=1).peak_bytes
     assert kept - hcv.simulate(chain, apart).peak_memory > wide * 0.9

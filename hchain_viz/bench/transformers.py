@@ -109,18 +109,18 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     baselines = ckpt + [full] + ([sel] if sel is not None else [])
     seq = nn.Sequential(*[m for _, m in stages])  # wrap and checkpoint_sequential take a module
     peak_of = lambda s: measure(wrap(seq, s), x, loss_fn, repeats=1).peak_bytes  # noqa: E731
-    predicted_of = lambda s: simulate(chain, s).peak_memory  # noqa: E731
     base_peaks = [peak_of(s) for s in baselines]
+    base_traces = [simulate(chain, s) for s in baselines]
     # The optimal schedule at each baseline's measured peak (the memory it really used, which its prediction bounds)
     # and at its predicted peak, beside five budgets evenly spread from the least to store-all.
     lo, hi = sol.min_budget, sol.store_all_peak
     budgets = {lo + (hi - lo) * k // 4 for k in range(5)}
-    budgets |= {b for s, p in zip(baselines, base_peaks) for b in (p, predicted_of(s)) if lo <= b <= hi}
+    budgets |= {b for t, p in zip(base_traces, base_peaks) for b in (p, t.peak_memory) if lo <= b <= hi}
     optimal = [optimal_at(chain, b) for b in sorted(budgets)]
     schedules = baselines + optimal
     modules = [wrap(seq, s) for s in schedules]
     peaks = base_peaks + [peak_of(s) for s in optimal]
-    traces = [simulate(chain, s) for s in schedules]
+    traces = base_traces + [simulate(chain, s) for s in optimal]
     predicted = [t.peak_memory for t in traces]
     ratios = [p / q for p, q in zip(peaks, predicted)]
     for p, q, s in zip(peaks, predicted, schedules):
