@@ -2,8 +2,8 @@
 transformer users run, on the CPU.
 
 Models (random weights, train mode): nanoGPT (``hcv.models.nanogpt``, traced by torch.fx) and Hugging Face GPT-2,
-LLaMA and BERT built from their default configs, shrunk to ``--layers`` layers of width ``--hidden``, with eager
-attention (the attention probabilities are materialised, as in the issue's hand split). Per model and granularity:
+LLaMA and BERT (and, on request, the encoder-decoders BART and T5: ``--layers`` in each stack) built from their
+default configs, shrunk to ``--layers`` layers of width ``--hidden``, with eager attention (the attention probabilities are materialised, as in the issue's hand split). Per model and granularity:
 
 - stages, and the extraction wall time (tracing, analysis, the check against the model);
 - measured / predicted peak: the range over every schedule run (measured with ``hchain_viz.measure``, predicted
@@ -22,7 +22,7 @@ attention (the attention probabilities are materialised, as in the issue's hand 
 Every strategy is a Schedule run by the same executor (``hcv.wrap``); step times are medians of ``--rounds``
 interleaved rounds (a warm-up round first, shuffled order each round).
 
-    python -m hchain_viz bench transformers [--models nanogpt,gpt2,llama,bert] [--layers 4] [--hidden 128]
+    python -m hchain_viz bench transformers [--models nanogpt,gpt2,llama,bert,bart,t5] [--layers 4] [--hidden 128]
                                             [--seq 128] [--batch 4] [--rounds 3] [--threads 0]
 """
 
@@ -39,13 +39,14 @@ from torch import nn
 
 from . import pareto_efficient, positive_int, print_table
 
-ALL = ("nanogpt", "gpt2", "llama", "bert")
+DEFAULT = ("nanogpt", "gpt2", "llama", "bert")
+ALL = (*DEFAULT, "bart", "t5")  # the encoder-decoders on request
 GRANULARITIES = ("module", "sublayer")
 
 
 def run(args: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="hchain_viz bench transformers", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(ALL), help="comma-separated, from: " + ", ".join(ALL))
+    parser.add_argument("--models", default=",".join(DEFAULT), help="comma-separated, from: " + ", ".join(ALL))
     parser.add_argument("--layers", type=positive_int, default=4)
     parser.add_argument("--hidden", type=positive_int, default=128)
     parser.add_argument("--seq", type=positive_int, default=128)

@@ -139,14 +139,6 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
     mode = _check_granularity(granularity)
     if not isinstance(model, nn.Module):
         raise NotSequentialError(f"extract_stages needs an nn.Module; got {type(model).__name__}")
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
-        # Traced as is, every decoder layer would sit in one stage: no cut point exists while the encoder output
-        # crosses beside the decoder's activation.
-        raise NotSequentialError(
-            f"{type(model).__name__} is an encoder-decoder model, which hchain_viz cannot split into a chain yet: the "
-            f"encoder output travels beside the decoder's activation through every decoder layer, so no single "
-            f"value crosses between them. Pass the stages by hand (tuples may carry both values), or checkpoint the "
-            f"encoder alone (hcv.profile(model.get_encoder(), x)).")
     args, kwargs = _as_call(sample_input)
     kwargs = _without_cache(model, kwargs)
     single = not isinstance(sample_input, (dict, tuple, list))  # stage 0 gets the tensor itself, not a 1-tuple
@@ -237,41 +229,51 @@ def _first_line(exc: BaseException) -> str:
 
 # Sub-layer cuts: at most this many parameter-dependent tensors cross (residual, q, k, v after the projections).
 _SUBLAYER_MAX_MAINS = 4
+# Between the blocks of an encoder-decoder: the decoder's activation, the encoder output, T5's position bias.
+_ENCODER_DECODER_MAINS = 3
 # Ops that only reshape or retype a value: a projection "reads" the value behind them.
 _VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "contiguous", "transpose", "permute", "t", "expand", "to",
           "type", "float", "unsqueeze", "squeeze", "_to_copy", "clone", "alias"}
 _PRODUCTS = {"linear", "addmm", "matmul", "bmm", "mm", "conv1d", "conv2d", "conv3d", "convolution", "einsum",
              "baddbmm"}
-_ATTN_CORE = {"attn.core", "attn.scores", "attn.probs", "attn.context"}
+_ATTN_CORE = {"core", "scores", "probs", "context"}  # the roles of attention's core parts
 
 
 def _roles(parts: list[list[str]]) -> list[str]:
     """Readable roles of the parts of one transformer block, from the heavy ops each holds (see _Plan._heavy):
     attn.qkv, attn.scores, attn.probs, attn.context (or attn.core for a fused attention op), attn.out, mlp.up,
-    mlp.down. A block without attention gets part0, part1, ..."""
+    mlp.down. A second attention (a decoder's cross-attention) gets the same roles under xattn (a third under
+    xattn2, ...). A block without attention gets part0, part1, ..."""
     if len(parts) == 1:
         return [""]
     kinds = [set(k) - {""} for k in parts]
     attn = [i for i, k in enumerate(kinds) if k & {"matmul", "softmax", "fused"}]
     if not attn:
         return [f"part{i}" for i in range(len(parts))]
-    soft = next((i for i in attn if "softmax" in kinds[i]), None)
+    runs: list[list[int]] = []  # each attention: its consecutive core parts
+    for i in attn:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    prefix = ["attn", "xattn"] + [f"xattn{r}" for r in range(2, len(runs))]
     roles = []
     for i, k in enumerate(kinds):
-        if "fused" in k:
-            roles.append("attn.core")
-        elif "softmax" in k:
-            roles.append("attn.probs")
-        elif "matmul" in k:
-            roles.append("attn.scores" if soft is not None and i < soft else "attn.context")
-        elif i < attn[0]:
-            roles.append("attn.qkv" if i == attn[0] - 1 else f"attn.in{i}")
-        elif i == attn[-1] + 1:
-            roles.append("attn.out")
+        r = sum(run[-1] < i for run in runs)  # attentions wholly before part i
+        if r < len(runs) and i >= runs[r][0]:  # a core part of attention r
+            soft = next((j for j in runs[r] if "softmax" in kinds[j]), None)
+            core = ("core" if "fused" in k else "probs" if "softmax" in k else
+                    "scores" if soft is not None and i < soft else "context")
+            roles.append(f"{prefix[r]}.{core}")
+        elif r > 0 and i == runs[r - 1][-1] + 1:
+            roles.append(f"{prefix[r - 1]}.out")
+        elif r < len(runs):  # before attention r: its projections (numbered from the block's or the last out)
+            first = runs[r - 1][-1] + 2 if r else 0
+            roles.append(f"{prefix[r]}.qkv" if i == runs[r][0] - 1 else f"{prefix[r]}.in{i - first}")
         elif i == len(parts) - 1:
             roles.append("mlp.down")
         else:
-            k_up = i - attn[-1] - 2
+            k_up = i - runs[-1][-1] - 2
             roles.append("mlp.up" if k_up == 0 else f"mlp.up{k_up + 1}")
     return roles
 
@@ -617,6 +619,11 @@ class _Plan:
 
     def __init__(self, traced: _Traced, model: nn.Module, info: _Info):
         self.traced, self.model, self.info = traced, model, info
+        # How many values that carry gradients may cross a cut between blocks: one in a chain of blocks; in an
+        # encoder-decoder, the encoder output travels beside the decoder's activation (and T5's position bias, made
+        # from a parameter by the first layer, beside both).
+        encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True
+        self.max_mains = _ENCODER_DECODER_MAINS if encoder_decoder else 1
         graph = traced.graph
         self.x = next(n for n in graph.nodes if n.op == "placeholder")
         self.output = next(n for n in graph.nodes if n.op == "output")
@@ -703,7 +710,7 @@ class _Plan:
 
     def _cuttable(self, p: int) -> bool:
         values = self.crossing[p]
-        if not values or sum(v in self.param for v in values) > 1:
+        if not values or sum(v in self.param for v in values) > self.max_mains:
             return False
         # No cut where a later stage would write into its input in place (a standalone ReLU(inplace=True)): the
         # op stays with the stage that made the value, so a kept checkpoint is never the one overwritten.
@@ -734,7 +741,7 @@ class _Plan:
         """A cut inside a block: a few tensors cross (the residual stream, the current value, what attention still
         needs such as v), none written in place later."""
         values = self.crossing[p]
-        return (0 < sum(v in self.param for v in values) <= _SUBLAYER_MAX_MAINS and all(
+        return (0 < sum(v in self.param for v in values) <= _SUBLAYER_MAX_MAINS + self.max_mains - 1 and all(
             self.info.kind.get(v) == "tensors" and v not in self.written_later.get(p, ()) for v in values))
 
     def _crossing_bytes(self, p: int) -> int:
@@ -944,7 +951,7 @@ class _Plan:
             blocks = self.names(self._module_segments, "module")
             block_groups = self.groups
             self.groups = [block_groups[k] for k in self._parent]
-            self.tags = ["attn_core" if role in _ATTN_CORE else "" for role in self._roles]
+            self.tags = ["attn_core" if role.split(".")[-1] in _ATTN_CORE else "" for role in self._roles]
             return [blocks[k] + (f".{role}" if role else "") for k, role in zip(self._parent, self._roles)]
         self.groups: list[str | None] = [None] * len(segments)
         self.tags = [""] * len(segments)
@@ -956,6 +963,13 @@ class _Plan:
         full: list[tuple[str, ...]] = []  # (kind, ...) entries, turned into names by _shorten
         for a, b in segments:
             paths = owners[a: b + 1]
+            if mode == "module":
+                # A whole block with the single layers beside it (the decoder's embedding after the encoder's last
+                # layer) is named after the block, not after the module of its ops (T5's block.0.layer).
+                blocks = [u for u in dict.fromkeys(units[a: b + 1]) if u not in self._glue and self._is_block(u)]
+                if len(blocks) == 1 and units.count(blocks[0]) == units[a: b + 1].count(blocks[0]):
+                    full.append(("module", blocks[0]))
+                    continue
             common = _common_prefix(paths)
             if common and sum(1 for o in owners if _under(o, common)) == b - a + 1:
                 full.append(("module", common))  # exactly the ops of one module

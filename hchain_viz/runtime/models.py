@@ -341,8 +341,10 @@ def demo_model(name: str | None = None, **kwargs: Any) -> Demo:
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face
-# family -> (config class, model class, config fields for (layers, hidden, heads, intermediate, kv heads))
-HF_FAMILIES: dict[str, tuple[str, str, tuple[str, str, str, str | None, str | None]]] = {
+# family -> (config class, model class, config fields for (layers, hidden, heads, intermediate, kv heads)); an
+# encoder-decoder family names its encoder's and its decoder's field for each
+Fields = str | tuple[str, ...]
+HF_FAMILIES: dict[str, tuple[str, str, tuple[Fields, Fields, Fields, Fields | None, Fields | None]]] = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", ("n_layer", "n_embd", "n_head", "n_inner", None)),
     "llama": ("LlamaConfig", "LlamaForCausalLM",
               ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "num_key_value_heads")),
@@ -350,7 +352,16 @@ HF_FAMILIES: dict[str, tuple[str, str, tuple[str, str, str, str | None, str | No
              ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", None)),
     "vit": ("ViTConfig", "ViTForImageClassification",
             ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", None)),
+    "bart": ("BartConfig", "BartForConditionalGeneration",
+             (("encoder_layers", "decoder_layers"), "d_model", ("encoder_attention_heads", "decoder_attention_heads"),
+              ("encoder_ffn_dim", "decoder_ffn_dim"), None)),
+    "t5": ("T5Config", "T5ForConditionalGeneration", (("num_layers", "num_decoder_layers"), "d_model", "num_heads",
+                                                       "d_ff", None)),
 }
+
+
+def _fields(fields: Fields) -> tuple[str, ...]:
+    return (fields,) if isinstance(fields, str) else fields
 
 
 class _OwnLoss:
@@ -369,13 +380,17 @@ def hf_model(family: str, *, batch: int = 2, seq: int = 128, layers: int | None 
     """A Hugging Face model built from its family's **default** config, in train mode, random weights.
 
     ``family``: one of :data:`HF_FAMILIES` (``"gpt2"``, ``"llama"`` — rotary embeddings and grouped-query
-    attention, as Mistral and Qwen2 — ``"bert"``, ``"vit"``). ``layers``, ``hidden``, ``heads``, ``vocab`` shrink
-    the default config (``None`` keeps the default; the MLP stays 4x ``hidden`` and LLaMA keeps 2 query heads per
-    key/value head). ``seq`` is the number of tokens (ViT: the image side is ``seq`` pixels, 16-pixel patches).
+    attention, as Mistral and Qwen2 — ``"bert"``, ``"vit"``, and the encoder-decoders ``"bart"`` and ``"t5"``).
+    ``layers``, ``hidden``, ``heads``, ``vocab`` shrink the default config (``None`` keeps the default; the MLP stays
+    4x ``hidden``, LLaMA keeps 2 query heads per key/value head, an encoder-decoder gets ``layers`` in the encoder and
+    as many in the decoder, and T5 without a ``decoder_start_token_id`` starts from its pad token, as every released
+    T5 does). ``seq`` is the number of tokens (ViT: the image side is ``seq`` pixels, 16-pixel patches; BART and T5:
+    the source and the target sequence each).
     ``attn_implementation``: ``"eager"`` materialises the attention probabilities, ``"sdpa"`` fuses them, ``None``
     lets transformers choose. ``overrides``: any other config fields (``patch_size=4``).
     Returns ``(model, inputs, loss_fn)`` with ``inputs`` a dict (``input_ids``,
-    ``attention_mask`` where the family has one, ``labels``) and ``loss_fn`` returning ``output.loss``.
+    ``attention_mask`` where the family has one, ``labels``: the tokens themselves for a decoder, a class for BERT
+    and ViT, a random target sequence for BART and T5) and ``loss_fn`` returning ``output.loss``.
     Needs ``transformers``; raises :class:`~hchain_viz.errors.HChainError` for an unknown family.
     """
     if family not in HF_FAMILIES:
@@ -386,13 +401,16 @@ def hf_model(family: str, *, batch: int = 2, seq: int = 128, layers: int | None 
     config = getattr(transformers, config_name)()
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
-    for field_, value in ((f_layers, layers), (f_hidden, hidden), (f_heads, heads)):
-        if value is not None:
-            setattr(config, field_, value)
-    if hidden is not None and f_inner is not None:
-        setattr(config, f_inner, 4 * hidden)
+    for fields, value in ((f_layers, layers), (f_hidden, hidden), (f_heads, heads), (f_inner, hidden and 4 * hidden)):
+        if fields is not None and value is not None:
+            for field_ in _fields(fields):
+                setattr(config, field_, value)
     if f_kv is not None and (heads is not None or hidden is not None):
         setattr(config, f_kv, max(1, getattr(config, f_heads) // 2))
+    if family == "t5":
+        config.d_kv = config.d_model // config.num_heads  # T5's own heads are d_model / heads wide too
+        if getattr(config, "decoder_start_token_id", None) is None:  # as every released T5 config sets it
+            config.decoder_start_token_id = config.pad_token_id
     if vocab is not None and hasattr(config, "vocab_size"):
         config.vocab_size = vocab
     if family == "gpt2":
@@ -412,9 +430,12 @@ def hf_model(family: str, *, batch: int = 2, seq: int = 128, layers: int | None 
         else:
             ids = torch.randint(0, config.vocab_size, (batch, seq))
             inputs = {"input_ids": ids}
-            if family == "bert":
+            if family in ("bert", "bart", "t5"):
                 inputs["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
+            if family == "bert":
                 inputs["labels"] = torch.randint(0, config.num_labels, (batch,))
+            elif family in ("bart", "t5"):  # a target sequence; the decoder reads it shifted right
+                inputs["labels"] = torch.randint(0, config.vocab_size, (batch, seq))
             else:
                 inputs["labels"] = ids
     return model, inputs, _OwnLoss()
