@@ -399,7 +399,8 @@ def _train_step_matches(model, x, loss_fn, seed=11, granularity=None, rounded=()
     # The eager reference runs as HF's gradient checkpointing does, with the KV cache off: with it on, eager attention
     # reads contiguous copies of keys and values from the cache, and where BLAS rounding depends on layout (AVX-512)
     # the last bits of the gradients differ from the cache-free step.
-    loss_fn(twin(**_without_cache(twin, x)) if isinstance(x, dict) else twin(x)).backward()
+    loss_fn(twin(**_without_cache(twin, x)) if isinstance(x, dict) else twin(*x) if isinstance(x, tuple)
+            else twin(x)).backward()
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         if any(part in name for part in rounded):  # the same sum in another order: equal to rounding
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8)
@@ -570,3 +571,30 @@ def test_sublayer_bart_decoder_has_cross_attention_parts_and_trains_like_eager()
     assert len(cores) == 3 * 2 + 6 * 2 and all(n.split(".")[-1] in ("scores", "probs", "context") for n in cores)
     # The baselines see both stacks' layers: per-layer keeps 4 layer inputs, selective recomputes 6 attention cores.
     assert per_layer(chain).n_recomputed > 0 and selective(chain).n_recomputed == len(cores)
+
+
+def test_torch_transformer_is_an_encoder_decoder_chain_and_trains_like_eager():
+    torch.manual_seed(0)
+    model = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64,
+                           batch_first=True).train()
+    src, tgt = torch.randn(2, 8, 32), torch.randn(2, 6, 32)
+    chain = _train_step_matches(model, (src, tgt), lambda out: out.pow(2).mean())
+    assert chain.names == ("stem", "encoder.layers.0", "encoder.layers.1", "decoder.layers.0", "decoder.layers.1",
+                           "head")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bart"])
+def test_wrapped_hf_model_in_eval_and_no_grad_is_the_plain_call(family):
+    import hchain_viz as hcv
+
+    model, inp, loss_fn = _hf(family)
+    chain = hcv.profile(model, inp, loss_fn, warmup=0, repeats=1, progress=False)
+    wrapped = hcv.wrap(model, hcv.strategies.per_layer(chain))
+    wrapped.eval()
+    assert torch.equal(wrapped(inp).logits, model(**inp).logits)
+    wrapped.train()
+    with torch.no_grad():
+        torch.manual_seed(3)
+        got = wrapped(inp).logits
+        torch.manual_seed(3)
+        assert torch.equal(got, model(**inp).logits)

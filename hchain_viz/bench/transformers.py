@@ -3,7 +3,8 @@ transformer users run, on the CPU.
 
 Models (random weights, train mode): nanoGPT (``hcv.models.nanogpt``, traced by torch.fx) and Hugging Face GPT-2,
 LLaMA and BERT (and, on request, the encoder-decoders BART and T5: ``--layers`` in each stack) built from their
-default configs, shrunk to ``--layers`` layers of width ``--hidden``, with eager attention (the attention probabilities are materialised, as in the issue's hand split). Per model and granularity:
+default configs, shrunk to ``--layers`` layers of width ``--hidden``, with eager attention (the attention
+probabilities are materialised, as in the issue's hand split). Per model and granularity:
 
 - stages, and the extraction wall time (tracing, analysis, the check against the model);
 - measured / predicted peak: the range over every schedule run (measured with ``hchain_viz.measure``, predicted

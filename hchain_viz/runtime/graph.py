@@ -119,11 +119,14 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
         sample_input: a tensor (``model(x)``), a tuple/list (``model(*x)``) or a dict (``model(**x)``). Stage 0
             takes this same object.
         granularity: ``None`` or ``"module"`` (default): cut only between whole blocks (a residual block, a
-            transformer layer; the layers before the first block form ``"stem"``, after the last ``"head"``);
+            transformer layer; the layers before the first block form ``"stem"``, after the last ``"head"``). In a
+            Hugging Face encoder-decoder (``config.is_encoder_decoder``: BART, T5) the encoder output crosses every
+            cut of the decoder beside its activation, in a tuple;
             ``"sublayer"``: the blocks cut further inside, where a few tensors cross (the residual stream plus the
             current value): after the qkv projection (``h.3.attn.qkv``), the attention scores, the probabilities
             (``h.3.attn.probs``), probabilities times values (``h.3.attn.context``), the attention output
-            (``h.3.attn.out``), the MLP's up-projection and activation (``h.3.mlp.up``), ``h.3.mlp.down``;
+            (``h.3.attn.out``), the MLP's up-projection and activation (``h.3.mlp.up``), ``h.3.mlp.down``; a
+            decoder's cross-attention gets the same parts under ``xattn`` (``decoder.layers.3.xattn.probs``);
             ``"finest"``: every cut point; an int ``N``: ``N`` stages balanced by the measured time of their ops.
 
     Returns:
@@ -622,8 +625,7 @@ class _Plan:
         # How many values that carry gradients may cross a cut between blocks: one in a chain of blocks; in an
         # encoder-decoder, the encoder output travels beside the decoder's activation (and T5's position bias, made
         # from a parameter by the first layer, beside both).
-        encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True
-        self.max_mains = _ENCODER_DECODER_MAINS if encoder_decoder else 1
+        self.max_mains = _ENCODER_DECODER_MAINS if _is_encoder_decoder(model) else 1
         graph = traced.graph
         self.x = next(n for n in graph.nodes if n.op == "placeholder")
         self.output = next(n for n in graph.nodes if n.op == "output")
@@ -1046,6 +1048,15 @@ class _Plan:
         baked = self.model.training if self.traced.method == "export" else None
         return GraphStage(gm, name, out_spec=spec, method=self.traced.method, baked_training=baked,
                           probe=self.model)
+
+
+def _is_encoder_decoder(model: nn.Module) -> bool:
+    """A Hugging Face encoder-decoder (its config says so), or a model with an ``encoder`` and a ``decoder``
+    (``nn.Transformer``)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
+        return True
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    return {"encoder", "decoder"} <= names
 
 
 def _holds_blocks(container: nn.Module) -> bool:

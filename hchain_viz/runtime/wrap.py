@@ -160,13 +160,23 @@ class ScheduledModule(nn.Module):
             raise _length_mismatch(self.schedule, self.length, stages, self.model)
         self._set_stages(stages)
 
+    def _plain(self, x: Any) -> Any:
+        """The plain model on ``x``, called as its stages were found: a Sequential takes ``x`` itself, any other model
+        the parts of a tuple or dict (``model(*x)``, ``model(**x)``)."""
+        if isinstance(self.model, nn.Sequential):
+            return self.model(x)
+        from .graph import _as_call
+
+        args, kwargs = _as_call(x)
+        return self.model(*args, **kwargs)
+
     # ------------------------------------------------------------------ running
     @torch.compiler.disable(recursive=False)  # never traced: the check below must run (see runtime/compiled.py)
     def forward(self, x: Any) -> Any:
         """Train by the schedule; in eval mode or without grad, run the plain model."""
         check_not_compiled()
         if not (self.training and torch.is_grad_enabled()):
-            return self.model(x)
+            return self._plain(x)
         self._ensure_stages(x)
         self._learn_grad_mask(x)
         step = _Step(self, x)
