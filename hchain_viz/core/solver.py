@@ -30,8 +30,11 @@ their input and never hand Python objects to the kernels.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -453,6 +456,12 @@ _compiled: dict[str, Any] = {}
 # One table fill at a time: _fill_table runs on Numba's threads, and its workqueue threading layer (see _kernels) aborts
 # the process when two Python threads launch parallel kernels at once (say, two explorers solving in the background).
 _FILL_LOCK = threading.Lock()
+# Context managers entered around each parallel table fill. Numba's OpenMP layer (its fastest here: 2.9 s against the
+# workqueue layer's 3.7 s at L = 500) sets the process's OpenMP thread count, which PyTorch's CPU ops share: one solve
+# would undo torch.set_num_threads and change what some kernels allocate (oneDNN's convolution backward keeps a
+# weight-gradient buffer per thread: 2.25 MiB more on a small ResNet, beyond every prediction). The runtime, which
+# may import torch, registers the guard that keeps torch's count (hchain_viz/runtime/__init__.py).
+PARALLEL_GUARDS: list[Callable[[], AbstractContextManager[Any]]] = []
 
 
 def _kernels() -> dict[str, Any]:
@@ -464,12 +473,6 @@ def _kernels() -> dict[str, Any]:
             raise DependencyError("the solver needs Numba: pip install numba (it comes with pip install hchain_viz)") \
                 from None
 
-        # Numba's OpenMP layer sets the process's OpenMP thread count, which PyTorch's CPU ops share: one solve would
-        # undo torch.set_num_threads, and change what some kernels allocate (oneDNN's convolution backward keeps a
-        # weight-gradient buffer per thread: 2.25 MiB more on a small ResNet, beyond every prediction). Unless the
-        # user chose a layer, prefer those with threads of their own (read at the first parallel launch).
-        if numba.config.THREADING_LAYER == "default":
-            numba.config.THREADING_LAYER_PRIORITY = ["tbb", "workqueue", "omp"]
         # Callees first: a kernel resolves the helpers it calls (and prange) through the module globals when it
         # compiles.
         g = globals()
@@ -802,7 +805,9 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     D = np.empty((L + 1, slots + 1), np.float64)
     Dch = np.empty((L + 1, slots + 1), choice_type)
     k = _kernels()
-    with _FILL_LOCK:
+    with _FILL_LOCK, contextlib.ExitStack() as guards:
+        for guard in PARALLEL_GUARDS:
+            guards.enter_context(guard())
         k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
                   sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch,
                   k["threads"]())
