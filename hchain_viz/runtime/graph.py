@@ -631,11 +631,20 @@ class _Plan:
         self.output = next(n for n in graph.nodes if n.op == "output")
         attrs = traced.attrs
 
-        # Constants: recomputed by every stage that needs them, so they never cross a cut.
+        # Constants: recomputed by every stage that needs them, so they never cross a cut. In an encoder-decoder,
+        # where cuts may carry several values, a value made from a trainable parameter (T5's position bias) is made
+        # once and crosses instead: remade by every stage, its parameter's gradient would add the stages' parts in
+        # another order than eager (equal to rounding, not bitwise).
         self.const: set[fx.Node] = set()
+        trainable: set[fx.Node] = set()
         for n in graph.nodes:
             if n.op == "get_attr":
                 self.const.add(n)
+                obj = attrs[n.target]
+                if isinstance(obj, torch.Tensor) and obj.requires_grad:
+                    trainable.add(n)
+            elif self.max_mains > 1 and any(m in trainable for m in n.all_input_nodes):
+                trainable.add(n)
             elif n.op in ("call_function", "call_method") and all(m in self.const for m in n.all_input_nodes):
                 if not (_mutates(n, attrs) or _random(n) or _impure(n)
                         or any(n in _written(u, attrs) for u in n.users)):
