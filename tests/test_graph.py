@@ -553,13 +553,14 @@ SUBLAYER_DECODER = ["attn.qkv", "attn.scores", "attn.probs", "attn.context", "at
                     "xattn.scores", "xattn.probs", "xattn.context", "xattn.out", "mlp.up", "mlp.down"]
 
 
-def test_sublayer_bart_decoder_has_cross_attention_parts_and_trains_like_eager():
+@pytest.mark.parametrize("family, blocks", [("bart", "layers"), ("t5", "block")])
+def test_sublayer_encoder_decoder_has_cross_attention_parts_and_trains_like_eager(family, blocks):
     from hchain_viz.core.strategies import per_layer, selective
 
-    model, inp, loss_fn = _hf("bart", attn_implementation="eager")
+    model, inp, loss_fn = _hf(family, attn_implementation="eager")
     chain = _train_step_matches(model, inp, loss_fn, granularity="sublayer")
     for part, roles in (("encoder", SUBLAYER_EAGER), ("decoder", SUBLAYER_DECODER)):
-        layer = f"{part}.layers.{{}}"
+        layer = f"{part}.{blocks}.{{}}"
         assert [n for n in chain.names if n.startswith(part)] == [
             layer.format(i) + "." + r for i in range(2) for r in roles], chain.names
         first = chain.names.index(layer.format(1) + "." + roles[0])
