@@ -119,9 +119,10 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
         sample_input: a tensor (``model(x)``), a tuple/list (``model(*x)``) or a dict (``model(**x)``). Stage 0
             takes this same object.
         granularity: ``None`` or ``"module"`` (default): cut only between whole blocks (a residual block, a
-            transformer layer; the layers before the first block form ``"stem"``, after the last ``"head"``). In a
-            Hugging Face encoder-decoder (``config.is_encoder_decoder``: BART, T5) the encoder output crosses every
-            cut of the decoder beside its activation, in a tuple;
+            transformer layer; the layers before the first block form ``"stem"``, after the last ``"head"``). In an
+            encoder-decoder (a Hugging Face config with ``is_encoder_decoder``: BART, T5; a model holding an
+            ``encoder`` and a ``decoder``: ``nn.Transformer``) the encoder output crosses every cut of the decoder
+            beside its activation, in a tuple;
             ``"sublayer"``: the blocks cut further inside, where a few tensors cross (the residual stream plus the
             current value): after the qkv projection (``h.3.attn.qkv``), the attention scores, the probabilities
             (``h.3.attn.probs``), probabilities times values (``h.3.attn.context``), the attention output
