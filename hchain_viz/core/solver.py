@@ -453,8 +453,9 @@ def _least_memory(x, xs, xbar, tr, co, ftmp, ntmp, btmp):  # pragma: no cover - 
 
 
 _compiled: dict[str, Any] = {}
-# One table fill at a time: _fill_table runs on Numba's threads, and its workqueue threading layer (see _kernels) aborts
-# the process when two Python threads launch parallel kernels at once (say, two explorers solving in the background).
+# One table fill at a time: _fill_table runs on Numba's threads, and Numba's workqueue threading layer (its fallback
+# where OpenMP is missing) aborts the process when two Python threads launch parallel kernels at once (say, two
+# explorers solving in the background).
 _FILL_LOCK = threading.Lock()
 # Context managers entered around each parallel table fill. Numba's OpenMP layer (its fastest here: 2.9 s against the
 # workqueue layer's 3.7 s at L = 500) sets the process's OpenMP thread count, which PyTorch's CPU ops share: one solve

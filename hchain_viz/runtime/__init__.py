@@ -7,12 +7,15 @@ from collections.abc import Iterator
 
 from ..core import solver
 
+try:
+    import torch
+except ImportError:  # the torch-free helpers in this package (progress bars) still import
+    torch = None
+
 
 @contextlib.contextmanager
 def _torch_threads_kept() -> Iterator[None]:
     """Keep PyTorch's intra-op thread count across a parallel solve (see ``solver.PARALLEL_GUARDS``)."""
-    import torch
-
     before = torch.get_num_threads()
     try:
         yield
@@ -21,9 +24,5 @@ def _torch_threads_kept() -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-try:
-    import torch  # noqa: F401  # only then can a solve change torch's threads
-except ImportError:  # the torch-free helpers in this package (progress bars) still import
-    pass
-else:
+if torch is not None:  # only then can a solve change torch's threads
     solver.PARALLEL_GUARDS.append(_torch_threads_kept)

@@ -632,20 +632,26 @@ class _Plan:
         self.output = next(n for n in graph.nodes if n.op == "output")
         attrs = traced.attrs
 
+        # Main values carry gradients to parameters; side values (masks, ids) are parameter-free.
+        self.param: set[fx.Node] = set()
+        for n in graph.nodes:
+            if n.op == "get_attr":
+                obj = attrs[n.target]
+                if isinstance(obj, torch.Tensor) and obj.requires_grad:
+                    self.param.add(n)
+            elif (n.op == "call_module" and any(True for _ in attrs[n.target].parameters())) or any(
+                    m in self.param for m in n.all_input_nodes):
+                self.param.add(n)
         # Constants: recomputed by every stage that needs them, so they never cross a cut. In an encoder-decoder,
         # where cuts may carry several values, a value made from a trainable parameter (T5's position bias) is made
         # once and crosses instead: remade by every stage, its parameter's gradient would add the stages' parts in
         # another order than eager (equal to rounding, not bitwise).
         self.const: set[fx.Node] = set()
-        trainable: set[fx.Node] = set()
         for n in graph.nodes:
             if n.op == "get_attr":
                 self.const.add(n)
-                obj = attrs[n.target]
-                if isinstance(obj, torch.Tensor) and obj.requires_grad:
-                    trainable.add(n)
-            elif self.max_mains > 1 and any(m in trainable for m in n.all_input_nodes):
-                trainable.add(n)
+            elif self.max_mains > 1 and n in self.param:
+                continue
             elif n.op in ("call_function", "call_method") and all(m in self.const for m in n.all_input_nodes):
                 if not (_mutates(n, attrs) or _random(n) or _impure(n)
                         or any(n in _written(u, attrs) for u in n.users)):
@@ -662,16 +668,6 @@ class _Plan:
                 data.add(n)
         self.literal = {n for n in self.order if info.kind.get(n) == "literal" and not _impure(n)
                         and not _mutates(n, attrs) and n not in data}
-        # Main values carry gradients to parameters; side values (masks, ids) are parameter-free.
-        self.param: set[fx.Node] = set()
-        for n in graph.nodes:
-            if n.op == "get_attr":
-                obj = attrs[n.target]
-                if isinstance(obj, torch.Tensor) and obj.requires_grad:
-                    self.param.add(n)
-            elif (n.op == "call_module" and any(True for _ in attrs[n.target].parameters())) or any(
-                    m in self.param for m in n.all_input_nodes):
-                self.param.add(n)
         # Liveness: a value crosses the cut after position p when pos <= p < last use.
         end = len(self.order)
         self.last: dict[fx.Node, int] = {}

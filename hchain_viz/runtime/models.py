@@ -401,7 +401,8 @@ def hf_model(family: str, *, batch: int = 2, seq: int = 128, layers: int | None 
     config = getattr(transformers, config_name)()
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
-    for fields, value in ((f_layers, layers), (f_hidden, hidden), (f_heads, heads), (f_inner, hidden and 4 * hidden)):
+    inner = None if hidden is None else 4 * hidden
+    for fields, value in ((f_layers, layers), (f_hidden, hidden), (f_heads, heads), (f_inner, inner)):
         if fields is not None and value is not None:
             for field_ in _fields(fields):
                 setattr(config, field_, value)
