@@ -7,6 +7,8 @@
     schedule = sol.schedule(budget_bytes)    # a list of Fck/Fn/Fall/Loss/B ops
     trace = hcv.simulate(chain, schedule)    # predicted time and memory, op by op
     wrapped = hcv.wrap(model, schedule)      # train with it: same gradients, less memory
+    hcv.apply(model, schedule)               # or in place: the model itself trains by it (HF Trainer, Lightning)
+    hcv.checkpoint(model, batch, budget="6GiB")  # profile, solve and apply in one line
     hcv.explore(model, x)                    # the interactive explorer in a notebook
 
 The core (Chain, Schedule, simulate, solve, strategies) imports no torch or plotly; the runtime and viz parts are
@@ -47,6 +49,9 @@ _LAZY = {
     "Measurement": ("runtime.measure", "Measurement"),
     "sequentialize": ("runtime.stages", "sequentialize"),
     "wrap": ("runtime.wrap", "wrap"),
+    "apply": ("runtime.apply", "apply"),
+    "remove": ("runtime.apply", "remove"),
+    "checkpoint": ("runtime.apply", "checkpoint"),
     "models": ("runtime.models", None),
     "Explorer": ("viz.explorer", "Explorer"),
     "explore": ("viz.explorer", "explore"),

@@ -114,13 +114,21 @@ def compile_stage(module: Any, options: dict[str, Any], n_stages: int) -> Callab
     return run
 
 
-def check_not_compiled() -> None:
+def check_not_compiled(native_hint: bool = False) -> None:
     """Raise when the caller runs inside code compiled by ``torch.compile`` (a ``compile_wrapper`` frame of Dynamo
     is on the stack). The caller must be excluded from tracing (``torch.compiler.disable``), so that this runs."""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "compile_wrapper" and code.co_filename.endswith(_EVAL_FRAME):
+            if native_hint:  # a schedule applied in place (hcv.apply)
+                raise HChainError(
+                    "a model with a schedule applied by the executor is running under torch.compile; Dynamo would "
+                    "trace the executor and its partitioner, not the schedule, would decide what is kept. Apply the "
+                    "schedule in its native form, which compiles whole with the schedule inside: hcv.remove(model); "
+                    "hcv.apply(model, schedule, native=True); torch.compile(model) (or compile each stage: "
+                    "hcv.apply(model, schedule, compile=True) without torch.compile)"
+                )
             raise HChainError(
                 "a module wrapped by a schedule is running under torch.compile; Dynamo would trace the executor and "
                 "its partitioner, not the schedule, would decide what is kept (the schedule's memory is lost). Wrap "

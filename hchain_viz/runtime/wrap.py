@@ -177,6 +177,11 @@ class ScheduledModule(nn.Module):
         check_not_compiled()
         if not (self.training and torch.is_grad_enabled()):
             return self._plain(x)
+        return self._train_step(x)
+
+    def _train_step(self, x: Any) -> Any:
+        """One training forward by the schedule on x_0 = ``x`` (its backward runs the ops after ``Loss``). Also the
+        path of a model with the schedule applied in place (``runtime/apply.py``): one executor for both forms."""
         self._ensure_stages(x)
         self._learn_grad_mask(x)
         step = _Step(self, x)
@@ -214,10 +219,14 @@ class ScheduledModule(nn.Module):
 
     def train(self, mode: bool = True) -> ScheduledModule:
         super().train(mode)
-        self._draws = [None] * self.length  # dropout may come and go with the mode: look again
+        self._forget_draws()
         for m in self._stage_modules:  # wrappers made by sequentialize (not registered) follow the model's mode
             m.training = mode
         return self
+
+    def _forget_draws(self) -> None:
+        """Dropout may come and go with the train/eval mode: learn again which stages draw random numbers."""
+        self._draws = [None] * self.length
 
     def extra_repr(self) -> str:
         name = self.schedule.meta.get("strategy", "schedule")

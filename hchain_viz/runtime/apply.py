@@ -1,0 +1,627 @@
+"""A schedule applied in place: ``hcv.apply(model, schedule)`` makes the model itself train by the schedule.
+
+    hcv.apply(model, schedule)        # the same object, class, forward signature, attributes and state_dict keys
+    trainer = transformers.Trainer(model=model, args=TrainingArguments(...), ...)   # or accelerate, Lightning, a loop
+    hcv.remove(model)                 # back to the plain model
+
+    hcv.checkpoint(model, batch, budget="6GiB")   # profile, solve and apply in one line; prints what it chose
+
+The model's ``forward`` is replaced on the instance (never on its class) by :class:`AppliedForward`, which carries
+the original signature (``inspect.signature(model.forward)`` is unchanged: Hugging Face's Trainer reads it to keep
+dataset columns). In training mode with grad enabled, a call is bound to that signature, checked against the
+structure profiled (argument names, tensor shapes and dtypes, other values), turned into the chain's input x_0 and run
+by the one executor of ``runtime/wrap.py`` (:class:`~hchain_viz.runtime.wrap.ScheduledModule`, kept beside the model,
+not registered in it: ``state_dict``, ``parameters()`` and ``modules()`` are the plain model's). Otherwise (``eval()``,
+``torch.no_grad()``) the original forward runs. ``native=True`` runs the schedule as nested non-reentrant
+``torch.utils.checkpoint`` regions instead (``runtime/native.py``), which ``torch.compile(model)`` compiles whole.
+
+Calls by keywords (``model(**batch)``, as Hugging Face code calls) and with the dict itself (``model(batch)``, the
+convention of ``hcv.profile``) are the same structure. One addition is accepted: the loss arguments Hugging Face's
+Trainer adds to the profiled batch (``num_items_in_batch``): they change the loss only, so the stages are traced
+once more with them and must come out the same (same names); anything else that differs raises
+:class:`InputMismatch`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..core.chain import Chain
+from ..core.schedule import Schedule
+from ..core.units import format_bytes, format_time
+from ..errors import HChainError
+from .compiled import check_not_compiled
+from .wrap import ScheduledModule, _as_schedule
+
+__all__ = ["apply", "remove", "checkpoint", "is_applied", "AppliedForward", "AlreadyApplied", "ScheduleMismatch",
+           "InputMismatch", "DoubleCheckpointing"]
+
+_ATTR = "_hcv_applied"  # the instance attribute holding the applied state (outside _modules: no state_dict keys)
+# Keyword arguments Hugging Face's Trainer adds to a batch for the model's loss (model_accepts_loss_kwargs).
+LOSS_KWARGS = frozenset({"num_items_in_batch"})
+# Methods that turn on Hugging Face's own activation checkpointing: refused while a schedule is applied.
+_HF_CHECKPOINTING = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+
+
+class AlreadyApplied(HChainError, ValueError):
+    """``apply`` on a model that already trains by a schedule."""
+
+
+class ScheduleMismatch(HChainError, ValueError):
+    """The schedule (or the chain it was solved for) is not for this model as it is now: another model, other input
+    shapes, or a model whose modules or parameters changed after profiling or applying."""
+
+
+class InputMismatch(HChainError, ValueError):
+    """A training call whose inputs differ in structure from the inputs the schedule was profiled with."""
+
+
+class DoubleCheckpointing(HChainError, RuntimeError):
+    """Hugging Face's own activation checkpointing met a model that trains by a schedule: both would recompute."""
+
+
+# ---------------------------------------------------------------------------------------------- public API
+def apply(model: nn.Module, schedule: Schedule | str, *, chain: Chain | None = None, sample: Any = None,
+          native: bool = False, preserve_rng_state: bool = True,
+          compile: bool | Mapping[str, Any] = False) -> nn.Module:
+    """Make ``model`` itself train by ``schedule``; returns ``model`` (the same object).
+
+    ``schedule``: a :class:`~hchain_viz.Schedule` for the chain of stages of ``model`` (as for :func:`hcv.wrap`).
+    ``chain``: the profiled chain it was solved for (recommended): then a schedule for another model (other stage
+    names, class or parameter sizes) is refused here, and every training call must have the profiled input shapes.
+    ``sample``: the profiled input (a tensor, a tuple of arguments or a dict of keyword arguments, as given to
+    ``hcv.profile``): fixes the call structure now; without it, the first training call fixes it.
+    ``native``: run the schedule as nested non-reentrant ``torch.utils.checkpoint`` regions (the schedule's segment
+    tree), so that ``torch.compile(model)`` compiles the whole step with the schedule inside; see
+    :mod:`hchain_viz.runtime.native` for the schedules it takes and its guarantees. ``preserve_rng_state`` and
+    ``compile`` (compiled stages under the eager executor) are those of :func:`hcv.wrap`.
+
+    The model keeps its class, ``forward`` signature, attributes and methods (``config``, ``save_pretrained``,
+    ``generate``) and ``state_dict`` keys; ``eval()`` and ``torch.no_grad()`` run its plain forward. Raises
+    :class:`AlreadyApplied`, :class:`ScheduleMismatch`, :class:`DoubleCheckpointing` (Hugging Face's activation
+    checkpointing is on) or :class:`~hchain_viz.InvalidSchedule`. Undo with :func:`remove`.
+    """
+    if not isinstance(model, nn.Module):
+        raise HChainError(f"apply() needs an nn.Module, got {type(model).__name__}; put a list of stages into an "
+                          f"nn.Sequential first, or use hcv.wrap")
+    if is_applied(model):
+        raise AlreadyApplied(
+            f"this {type(model).__name__} already trains by a schedule "
+            f"({model.__dict__[_ATTR].describe()}); call hcv.remove(model) first to apply another one")
+    if isinstance(model, ScheduledModule):
+        raise AlreadyApplied("the model is a wrapped one (hcv.wrap); apply the schedule to its .model instead")
+    _refuse_hf_checkpointing(model, when="apply")
+    state = _Applied(model, _as_schedule(schedule), chain=chain, native=bool(native),
+                     preserve_rng_state=preserve_rng_state, compile=compile)
+    if sample is not None:
+        state.fix_structure(sample)
+    state.install()
+    return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply`: the model's own forward (and Hugging Face's checkpointing methods) again; returns it."""
+    state = model.__dict__.get(_ATTR) if isinstance(model, nn.Module) else None
+    if state is None:
+        raise HChainError(f"this {type(model).__name__} has no schedule applied (hcv.apply); nothing to remove")
+    state.uninstall()
+    return model
+
+
+def is_applied(model: Any) -> bool:
+    """Whether ``model`` trains by a schedule applied with :func:`apply`."""
+    return isinstance(model, nn.Module) and _ATTR in model.__dict__
+
+
+def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
+               device_memory: int | str | None = None, loss_fn: Any = None,
+               optimizer: torch.optim.Optimizer | None = None, granularity: str | int | None = None,
+               native: bool = False, progress: bool = True, verbose: bool = True) -> nn.Module:
+    """Profile ``model`` on ``batch``, solve, and apply the fastest schedule that fits; returns ``model``.
+
+    The one-line entry point, as easy as Hugging Face's ``gradient_checkpointing_enable()``:
+    ``hcv.checkpoint(model, batch, budget="6GiB")``. ``batch`` is a training batch as the model is called with it
+    (a dict for ``model(**batch)``, a tensor, or a tuple of arguments); later training calls must have its structure
+    and shapes. ``budget``: activation memory (bytes or text such as ``"6GiB"``); or ``device_memory``: the whole
+    device, with the fixed part (parameters, gradients, the state of ``optimizer``, which is then required) counted
+    as in DESIGN §7; with neither, the CUDA device's memory where the model is on one, else no limit (store-all).
+    ``loss_fn(output)``: the loss profiled for the last stage (default: ``output.loss`` where the model returns one).
+    ``granularity``: how finely a traced model is cut (``"sublayer"``: inside transformer layers).
+    ``native``: see :func:`apply`. Prints the budget, the predicted peak and the predicted overhead against store-all
+    (``verbose=False``: silent); ``progress`` shows progress bars while profiling.
+    """
+    from ..core.simulate import simulate
+    from ..core.solver import solve
+    from ..core.strategies import store_all
+    from .profile import profile
+
+    if is_applied(model):
+        raise AlreadyApplied(f"this {type(model).__name__} already trains by a schedule; call hcv.remove(model) first")
+    if device_memory is not None and budget is not None:
+        raise HChainError("give either budget (activation bytes) or device_memory (the whole device), not both")
+    if budget is None and device_memory is None:
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if dev.type == "cuda":
+            device_memory = torch.cuda.get_device_properties(dev).total_memory
+    if device_memory is not None and optimizer is None:
+        raise HChainError("a budget as device memory counts the optimizer's state: pass optimizer= (the training "
+                          "step's optimizer), or give budget= (activation memory) instead")
+    chain = profile(model, batch, loss_fn, optimizer=optimizer, granularity=granularity, progress=progress)
+    sol = solve(chain)
+    if device_memory is not None:
+        schedule = sol.schedule(device_memory=device_memory)
+        asked = f"device memory {format_bytes(_bytes(device_memory))}"
+    elif budget is not None:
+        schedule = sol.schedule(budget)
+        asked = f"activation budget {format_bytes(_bytes(budget))}"
+    else:
+        schedule = store_all(chain)
+        asked = "no budget (CPU model, no device memory given): store-all"
+    apply(model, schedule, chain=chain, sample=batch, native=native)
+    if verbose:
+        trace, base = simulate(chain, schedule), simulate(chain, store_all(chain))
+        overhead = trace.makespan / base.makespan - 1 if base.makespan > 0 else 0.0
+        print(f"hchain_viz: {type(model).__name__} in {chain.length} stages, {asked}: "
+              f"{schedule.n_recomputed} recomputed forwards, predicted activation peak "
+              f"{format_bytes(trace.peak_memory)} (store-all {format_bytes(base.peak_memory)}), predicted step "
+              f"{format_time(trace.makespan)} ({overhead:+.1%} vs store-all)")
+    return model
+
+
+def _bytes(value: int | str) -> int:
+    from ..core.units import parse_bytes
+
+    return value if isinstance(value, int) else parse_bytes(value)
+
+
+# ---------------------------------------------------------------------------------------------- the forward
+class AppliedForward:
+    """What ``model.forward`` is while a schedule is applied: the original signature (``__signature__``,
+    ``__wrapped__``), the schedule in training, the original forward otherwise."""
+
+    def __init__(self, state: _Applied):
+        self._state = state
+        original = state.original
+        functools.update_wrapper(self, original, updated=())
+        self.__signature__ = state.signature
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state = self._state
+        model = state.model
+        if state.bypass or not (model.training and torch.is_grad_enabled()):
+            return state.call_plain(args, kwargs)
+        if state.native:
+            ex, x0 = state.prepare(args, kwargs)  # checked outside any compiled graph
+            return ex._train_step(x0)  # traced whole by torch.compile(model)
+        return state.train_call_eager(args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<forward of {type(self._state.model).__name__} trained by {self._state.describe()}>"
+
+
+def _refusing(name: str, model: nn.Module) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise DoubleCheckpointing(
+            f"{name}() would turn on Hugging Face's activation checkpointing in a {type(model).__name__} that already "
+            f"trains by an hchain_viz schedule (hcv.apply): every layer would be recomputed twice. Leave "
+            f"gradient_checkpointing / activation_checkpointing off (TrainingArguments' default) - the schedule "
+            f"already checkpoints - or call hcv.remove(model) first to use Hugging Face's checkpointing instead")
+
+    refuse.__name__ = name
+    return refuse
+
+
+def _refuse_hf_checkpointing(model: nn.Module, when: str) -> None:
+    on = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if on:
+        what = ", ".join(n or "(the model)" for n in on[:3]) + (", ..." if len(on) > 3 else "")
+        raise DoubleCheckpointing(
+            f"Hugging Face's activation checkpointing is on in this {type(model).__name__} ({what}), "
+            + ("and a schedule would recompute again" if when == "apply" else
+               "which also trains by an hchain_viz schedule: both would recompute")
+            + ". Call model.gradient_checkpointing_disable() (or leave TrainingArguments(gradient_checkpointing=...) "
+              "off): the schedule already checkpoints")
+
+
+# ---------------------------------------------------------------------------------------------- state
+class _Applied:
+    """Everything an applied schedule holds beside the model (kept in ``model.__dict__``, not as a submodule)."""
+
+    def __init__(self, model: nn.Module, schedule: Schedule, *, chain: Chain | None, native: bool,
+                 preserve_rng_state: bool, compile: Any):
+        self.model = model
+        self.schedule = schedule
+        self.chain = chain
+        self.native = native
+        self.bypass = False  # True while stages are traced: the model's own forward runs
+        self.instance_forward = model.__dict__.get("forward")  # an instance forward someone installed before us
+        bound = model.forward
+        self.unbound = inspect.ismethod(bound) and bound.__self__ is model
+        self.original = bound.__func__ if self.unbound else bound
+        self.signature = inspect.signature(bound)
+        self.sequential = isinstance(model, nn.Sequential)
+        self.options = dict(preserve_rng_state=preserve_rng_state, compile=compile)
+        self.replaced: dict[str, Any] = {}  # instance attributes we set, with what was there (or _MISSING)
+        self.structure: _Structure | None = None  # the profiled call structure
+        self.executors: dict[Any, Any] = {}  # per accepted call structure: its executor (stages traced for it)
+        self.first = self._executor(None)
+        if chain is not None:
+            self._check_chain(chain)
+        self.fingerprint = _fingerprint(model)
+        self.modes = _modes(model)
+
+    # -------------------------------------------------------------- install / uninstall
+    def install(self) -> None:
+        model = self.model
+        self._set("forward", AppliedForward(self))
+        for name in _HF_CHECKPOINTING:
+            if callable(getattr(type(model), name, None)):
+                self._set(name, _refusing(name, model))
+        object.__setattr__(model, _ATTR, self)
+
+    def uninstall(self) -> None:
+        model = self.model
+        for name, before in self.replaced.items():
+            if before is _MISSING:
+                model.__dict__.pop(name, None)
+            else:
+                model.__dict__[name] = before
+        model.__dict__.pop(_ATTR, None)
+        self.executors.clear()
+
+    def _set(self, name: str, value: Any) -> None:
+        self.replaced[name] = self.model.__dict__.get(name, _MISSING)
+        object.__setattr__(self.model, name, value)  # an instance attribute, never the class's
+
+    def describe(self) -> str:
+        name = self.schedule.meta.get("strategy", "schedule")
+        form = "native checkpoint regions" if self.native else "the executor"
+        return f"{name}: {len(self.schedule)} ops, {self.schedule.n_recomputed} recomputed forwards, by {form}"
+
+    # -------------------------------------------------------------- executors
+    def _executor(self, x0: Any) -> Any:
+        """The executor for stages traced on ``x0`` (None: the stages known now, or traced at the first call)."""
+        with self._bypassed():
+            if self.native:
+                from .native import NativeSchedule
+
+                ex = NativeSchedule(self.model, self.schedule, preserve_rng_state=self.options["preserve_rng_state"])
+            else:
+                ex = ScheduledModule(self.model, self.schedule, **self.options)
+            if x0 is not None:
+                ex._ensure_stages(x0)
+        return ex
+
+    def _bypassed(self) -> Any:
+        state = self
+
+        class _Bypass:
+            """The model's own forward while stages are traced (torch.export reads ``model.forward.__code__``)."""
+
+            def __enter__(self) -> None:
+                self.before, state.bypass = state.bypass, True
+                self.ours = state.model.__dict__.get("forward")
+                if isinstance(self.ours, AppliedForward):
+                    before = state.replaced.get("forward", _MISSING)
+                    if before is _MISSING:
+                        del state.model.__dict__["forward"]
+                    else:
+                        state.model.__dict__["forward"] = before
+
+            def __exit__(self, *exc: Any) -> None:
+                state.bypass = self.before
+                if isinstance(self.ours, AppliedForward):
+                    state.model.__dict__["forward"] = self.ours
+
+        return _Bypass()
+
+    def _check_chain(self, chain: Chain) -> None:
+        """A chain profiled for another model is refused: class, stage names, parameter bytes."""
+        model = self.model
+        meta = chain.meta or {}
+        if meta.get("model") not in (None, type(model).__name__):
+            raise ScheduleMismatch(
+                f"the chain was profiled on a {meta['model']}, not this {type(model).__name__}; profile this model "
+                f"(hcv.profile(model, batch)) and solve again")
+        stages = self.first.stages
+        if stages is None:  # more stages than the schedule's (fewer raise in the executor), or traced later
+            from .stages import sequentialize
+
+            try:
+                with self._bypassed():
+                    stages = sequentialize(model)
+            except HChainError:
+                stages = None
+        if stages is not None and tuple(n for n, _ in stages) != tuple(chain.names):
+            raise ScheduleMismatch(
+                f"the chain's stages ({', '.join(chain.names[:6])}, ...) are not this model's stages "
+                f"({', '.join(n for n, _ in stages[:6])}, ...); profile this model and solve again")
+        if chain.length != self.first.length:
+            raise ScheduleMismatch(f"the schedule is for {self.first.length} stages but the chain has {chain.length}; "
+                                   f"solve the chain again and take the schedule from it")
+        params = list({id(p): p for p in model.parameters()}.values())
+        held = sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in params)
+        if "param_bytes" in meta and meta["param_bytes"] != held:
+            raise ScheduleMismatch(
+                f"the chain was profiled on a {meta.get('model')} with {format_bytes(meta['param_bytes'])} of "
+                f"parameters and gradients; this one holds {format_bytes(held)} (another size, or parameters frozen "
+                f"or added since, e.g. by PEFT). Profile the model as it is now and solve again")
+
+    def _check_stages(self, stages: list[tuple[str, nn.Module]]) -> None:
+        """The stages must be this model's: their parameters its parameters, and every trainable parameter in a stage
+        (a stage traced before LoRA layers were added would silently train without them)."""
+        model_params = {id(p): n for n, p in self.model.named_parameters()}
+        stage_params = {id(p) for _, s in stages for p in s.parameters()}
+        foreign = stage_params - set(model_params)
+        missing = [n for i, n in model_params.items() if i not in stage_params
+                   and self.model.get_parameter(n).requires_grad]
+        if foreign or missing:
+            more = ", ..." if len(missing) > 3 else ""
+            what = (f"trainable parameters no stage uses ({', '.join(missing[:3])}{more})" if missing
+                    else f"{len(foreign)} parameters that are no longer the model's")
+            raise ScheduleMismatch(
+                f"the stages of this {type(self.model).__name__} were found before the model changed: it has {what}. "
+                f"Profile the model as it is now (after adding adapters, sharding or replacing layers) and apply the "
+                f"new schedule")
+
+    # -------------------------------------------------------------- calls
+    def call_plain(self, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = self._keywords(args, kwargs)
+        if self.unbound:  # the function of a forward bound to the model (a copy of the model rebinds it)
+            return self.original(self.model, *args, **kwargs)
+        return self.original(*args, **kwargs)
+
+    def _keywords(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``model(batch)`` with the dict the schedule was profiled with is ``model(**batch)``."""
+        if (self.structure is not None and self.structure.form == "dict" and len(args) == 1 and not kwargs
+                and isinstance(args[0], Mapping)):
+            return (), dict(args[0])
+        return args, kwargs
+
+    @torch.compiler.disable(recursive=False)  # never traced: the check below must run (see runtime/compiled.py)
+    def train_call_eager(self, args: tuple, kwargs: dict) -> Any:
+        check_not_compiled(native_hint=True)
+        return self.train_call(args, kwargs)
+
+    def train_call(self, args: tuple, kwargs: dict) -> Any:
+        ex, x0 = self._prepare(args, kwargs)
+        return ex._train_step(x0)
+
+    @torch.compiler.disable  # a graph break before any compute: the checks run, the step compiles as one graph
+    def prepare(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        return self._prepare(args, kwargs)
+
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """The executor and x_0 for a training call, after checking the model and the call's structure."""
+        self.check_model()
+        if self.structure is None:
+            structure = _Structure.of_call(self, args, kwargs)
+            self._check_first_shapes(structure)
+            self.structure = structure
+        x0, key = self.structure.bind(self, *self._keywords(args, kwargs))
+        ex = self.executors.get(key)
+        if ex is None:
+            ex = self._executor_for(key, x0)
+        return ex, x0
+
+    def fix_structure(self, sample: Any) -> None:
+        self._check_first_shapes(_Structure.of_sample(self, sample))
+        self.structure = _Structure.of_sample(self, sample)
+        x0, key = self.structure.bind(self, *self.structure.as_call(sample))
+        self._executor_for(key, x0)
+
+    def _check_first_shapes(self, structure: _Structure) -> None:
+        chain = self.chain
+        if chain is None or "input_shape" not in (chain.meta or {}):
+            return
+        shapes = structure.shapes()
+        profiled = chain.meta["input_shape"]
+        profiled = [profiled] if profiled and isinstance(profiled[0], int) else profiled
+        if [list(s) for s in shapes] != [list(s) for s in profiled]:
+            raise InputMismatch(
+                f"the schedule was profiled for inputs of shapes {profiled}, and this model is trained with "
+                f"{[list(s) for s in shapes]}; profile with a batch of the training shapes (hcv.checkpoint(model, "
+                f"batch, ...)) so the schedule's memory is the training step's")
+
+    def _executor_for(self, key: Any, x0: Any) -> Any:
+        if not self.executors:  # the first structure: the stages profiled (or traced now)
+            ex = self.first
+            with self._bypassed():
+                ex._ensure_stages(x0)
+            self._check_stages(ex.stages)
+        else:  # an accepted addition (loss arguments): the same stages, traced again with it
+            ex = self._retrace(x0)
+        self.executors[key] = ex
+        return ex
+
+    def _retrace(self, x0: Any) -> Any:
+        from .stages import sequentialize
+
+        names = [n for n, _ in self.first.stages]
+        tried = []
+        for granularity in (None, "sublayer", "finest"):
+            with self._bypassed():
+                try:
+                    stages = sequentialize(self.model, x0, granularity=granularity)
+                except HChainError as exc:
+                    tried.append(str(exc).splitlines()[0])
+                    continue
+            if [n for n, _ in stages] == names:
+                ex = self._executor(None)
+                ex._set_stages(stages)
+                self._check_stages(stages)
+                return ex
+            tried.append(f"granularity {granularity!r}: {len(stages)} stages")
+        raise InputMismatch(
+            f"with the loss arguments {sorted(LOSS_KWARGS)} the model could not be cut into the profiled stages "
+            f"({'; '.join(tried)}); profile with a batch that has them, as the Trainer passes it")
+
+    def check_model(self) -> None:
+        """Per training call: the model's modules and parameters are those it had when the schedule was applied, and
+        Hugging Face's checkpointing is off."""
+        model = self.model
+        if _fingerprint(model) != self.fingerprint:
+            raise ScheduleMismatch(
+                f"the modules or parameters of this {type(model).__name__} changed after the schedule was applied "
+                f"(adapters added, a layer replaced, parameters sharded or re-created): its stages would run the old "
+                f"ones. Call hcv.remove(model), profile the model as it is now, and apply the new schedule")
+        _refuse_hf_checkpointing(model, when="call")
+        modes = _modes(model)
+        if modes != self.modes:  # dropout may come and go with submodules' modes: learn again which stages draw
+            self.modes = modes
+            for ex in self.executors.values():
+                ex._forget_draws()
+
+
+_MISSING = object()
+
+
+def _fingerprint(model: nn.Module) -> _Same:
+    return _Same([*model.modules(), *model.parameters()])
+
+
+class _Same:
+    """The model's modules and parameters, compared by identity (objects, not ids: a deep copy maps them)."""
+
+    def __init__(self, objects: list):
+        self.objects = objects
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, _Same) and len(self.objects) == len(other.objects)
+                and all(a is b for a, b in zip(self.objects, other.objects)))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _modes(model: nn.Module) -> tuple[bool, ...]:
+    return tuple(m.training for m in model.modules())
+
+
+# ---------------------------------------------------------------------------------------------- call structure
+def _value_key(value: Any) -> Any:
+    """What makes two argument values the same structure: tensors by shape, dtype and device; others by value."""
+    leaves, spec = pytree.tree_flatten(value)
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device.type))
+        else:
+            try:
+                hash(leaf)
+                out.append(("value", type(leaf).__name__, leaf))
+            except TypeError:
+                out.append(("value", type(leaf).__name__, repr(leaf)))
+    return str(spec), tuple(out)
+
+
+def _describe(key: Any) -> str:
+    _, leaves = key
+    parts = []
+    for kind, *rest in leaves:
+        parts.append(f"{list(rest[0])} {str(rest[1]).replace('torch.', '')}" if kind == "tensor" else repr(rest[1]))
+    return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
+
+
+class _Structure:
+    """The profiled call: its form (``"single"``: the model takes x_0 itself; ``"tuple"``: positional arguments;
+    ``"dict"``: keyword arguments) and, per argument name, the key of its value (:func:`_value_key`)."""
+
+    def __init__(self, form: str, keys: dict[str, Any]):
+        self.form, self.keys = form, keys
+
+    @classmethod
+    def of_sample(cls, state: _Applied, sample: Any) -> _Structure:
+        if state.sequential or not isinstance(sample, (Mapping, tuple, list)):
+            form = "single"
+        else:
+            form = "dict" if isinstance(sample, Mapping) else "tuple"
+        named = _named(state, *cls.as_call_form(form, sample))
+        return cls(form, {k: _value_key(v) for k, v in named.items()})
+
+    @classmethod
+    def of_call(cls, state: _Applied, args: tuple, kwargs: dict) -> _Structure:
+        if len(args) == 1 and not kwargs and isinstance(args[0], Mapping) and not state.sequential:
+            args, kwargs = (), dict(args[0])
+        form = "single" if state.sequential or (len(args) == 1 and not kwargs) else "dict" if kwargs else "tuple"
+        named = _named(state, args, kwargs)
+        return cls(form, {k: _value_key(v) for k, v in named.items()})
+
+    @staticmethod
+    def as_call_form(form: str, sample: Any) -> tuple[tuple, dict]:
+        if form == "dict":
+            return (), dict(sample)
+        if form == "tuple":
+            return tuple(sample), {}
+        return (sample,), {}
+
+    def as_call(self, sample: Any) -> tuple[tuple, dict]:
+        return self.as_call_form(self.form, sample)
+
+    def shapes(self) -> list[list[int]]:
+        return [list(leaf[1]) for _, leaves in self.keys.values() for leaf in leaves if leaf[0] == "tensor"]
+
+    def bind(self, state: _Applied, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """x_0 for this call, in the profiled form, and the key of its structure; raises InputMismatch."""
+        named = _named(state, args, kwargs)
+        keys = {k: _value_key(v) for k, v in named.items()}
+        extra = [k for k in keys if k not in self.keys]
+        missing = [k for k in self.keys if k not in keys]
+        changed = [k for k in keys if k in self.keys and keys[k] != self.keys[k]]
+        allowed = set(extra) <= LOSS_KWARGS and self.form == "dict" and all(
+            leaf[0] == "tensor" for k in extra for leaf in keys[k][1])
+        if missing or changed or (extra and not allowed):
+            lines = [f"{k}: profiled {_describe(self.keys[k])}, called with {_describe(keys[k])}" for k in changed]
+            lines += [f"{k}: profiled, missing in the call" for k in missing]
+            lines += [f"{k}: in the call ({_describe(keys[k])}), not profiled" for k in extra]
+            hint = ("pad batches to the profiled shapes (e.g. a collator with padding='max_length', "
+                    "TrainingArguments(dataloader_drop_last=True)) or profile with a batch as training calls the "
+                    "model" if changed else "call the model with the arguments it was profiled with, or profile it "
+                    "with a batch as training calls it")
+            raise InputMismatch(
+                "this training call differs from the inputs the schedule was profiled with:\n  - "
+                + "\n  - ".join(lines) + f"\nThe stages run what was traced for the profiled inputs; {hint}")
+        if self.form == "dict":
+            x0 = {k: named[k] for k in [*self.keys, *extra]}
+        elif self.form == "tuple":
+            x0 = tuple(named[k] for k in self.keys)
+        else:
+            (x0,) = named.values()
+        return x0, tuple(sorted(extra))
+
+
+def _named(state: _Applied, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by name, without those passed at their default value (``attention_mask=None``)."""
+    sig = state.signature
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise InputMismatch(f"{type(state.model).__name__}.forward{sig} cannot take this call: {exc}") from None
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        p = sig.parameters[name]
+        if p.kind == p.VAR_KEYWORD:
+            named.update(value)
+        elif p.kind == p.VAR_POSITIONAL:
+            if value:
+                raise InputMismatch(f"{type(state.model).__name__}.forward takes *{name}; a schedule needs named "
+                                    f"arguments, pass them as keywords")
+        elif p.default is not p.empty and not isinstance(value, torch.Tensor) and _same(value, p.default):
+            continue
+        else:
+            named[name] = value
+    return named
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:
+        return False
+

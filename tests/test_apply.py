@@ -1,0 +1,260 @@
+"""hcv.apply: a schedule installed on the model itself (runtime/apply.py), by the executor and in the native form
+(runtime/native.py). The model stays the same object with the same signature and keys, trains bitwise like eager,
+and every bad input is an HChainError that says what to do."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import hchain_viz as hcv
+from hchain_viz.core import strategies
+from hchain_viz.core.chain import Chain
+from hchain_viz.core.solver import solve
+from hchain_viz.runtime.apply import AlreadyApplied, DoubleCheckpointing, InputMismatch, ScheduleMismatch
+from hchain_viz.runtime.native import NotNative, Region, segment_tree, tree_ops
+
+pytestmark = pytest.mark.torch
+
+
+def _model():
+    """Dropout and a BatchNorm1d: RNG and buffers matter."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 32),
+                              nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        x = torch.randn(8, 16)
+        y = torch.randint(0, 4, (8,))
+    return model, x, y
+
+
+def _schedules(L: int) -> dict[str, hcv.Schedule]:
+    chain = Chain.random(L, seed=5)
+    sol = solve(chain)
+    lo, hi = sol.min_budget, sol.store_all_peak
+    return {"recompute_all": strategies.recompute_all(chain), "optimal_low": sol.schedule(lo),
+            "optimal_mid": sol.schedule(lo + (hi - lo) // 3), "store_all": strategies.store_all(chain)}
+
+
+L_SEQ = len(hcv.sequentialize(_model()[0]))
+SCHEDULES = _schedules(L_SEQ)
+
+
+def _step(net, x, y, seed=1):
+    torch.manual_seed(seed)
+    out = net(x)
+    loss = nn.functional.cross_entropy(out, y)
+    loss.backward()
+    return loss.detach(), torch.get_rng_state()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["executor", "native"])
+@pytest.mark.parametrize("sname", list(SCHEDULES))
+def test_applied_model_trains_bitwise_like_eager_and_stays_itself(sname, native):
+    model, x, y = _model()
+    twin = copy.deepcopy(model)
+    signature, keys, cls = inspect.signature(model.forward), list(model.state_dict()), type(model)
+    assert hcv.apply(model, SCHEDULES[sname], native=native) is model
+    assert type(model) is cls and inspect.signature(model.forward) == signature
+    assert list(model.state_dict()) == keys and len(list(model.modules())) == len(list(twin.modules()))
+    for _ in range(2):  # two steps: dropout, BatchNorm statistics and the global RNG as eager
+        (loss_a, rng_a), (loss_e, rng_e) = _step(model, x, y), _step(twin, x, y)
+        assert torch.equal(loss_a, loss_e) and torch.equal(rng_a, rng_e)
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        for a, b in zip(model.buffers(), twin.buffers()):
+            assert torch.equal(a, b)
+    # eval() and no_grad run the plain forward
+    model.eval(), twin.eval()
+    assert torch.equal(model(x), twin(x))
+    model.train(), twin.train()
+    with torch.no_grad():
+        torch.manual_seed(3)
+        got = model(x)
+        torch.manual_seed(3)
+        assert torch.equal(got, twin(x))
+    hcv.remove(model)
+    assert "forward" not in vars(model) and inspect.signature(model.forward) == signature
+    with pytest.raises(hcv.HChainError, match="no schedule applied"):
+        hcv.remove(model)
+
+
+def test_an_applied_model_is_deep_copied_with_its_schedule():
+    model, x, y = _model()
+    hcv.apply(model, SCHEDULES["optimal_low"])
+    copied = copy.deepcopy(model)
+    twin = copy.deepcopy(_model()[0])
+    _step(copied, x, y), _step(twin, x, y)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(copied.parameters(), twin.parameters()))
+    assert all(p.grad is None for p in model.parameters())  # the copy trained its own parameters
+    assert vars(copied)["forward"]._state.model is copied
+
+
+def test_applying_twice_is_refused():
+    model, _, _ = _model()
+    hcv.apply(model, SCHEDULES["store_all"])
+    with pytest.raises(AlreadyApplied, match="hcv.remove"):
+        hcv.apply(model, SCHEDULES["optimal_low"])
+    with pytest.raises(AlreadyApplied):
+        hcv.apply(hcv.wrap(_model()[0], SCHEDULES["store_all"]), SCHEDULES["store_all"])
+
+
+def test_a_chain_of_another_model_is_refused():
+    model, x, _ = _model()
+    chain = hcv.profile(model, x, warmup=0, repeats=1, progress=False)
+    schedule = strategies.store_all(chain)
+    wider = nn.Sequential(*[nn.Linear(16, 64) if i == 0 else m for i, m in enumerate(_model()[0])])
+    with pytest.raises(ScheduleMismatch, match="parameters"):
+        hcv.apply(wider, schedule, chain=chain)
+    other = nn.Sequential(*_model()[0][:-1], nn.Linear(32, 4), nn.Identity())
+    with pytest.raises(hcv.HChainError, match="stages"):
+        hcv.apply(other, schedule, chain=chain)
+    hcv.apply(model, schedule, chain=chain)  # its own model: accepted
+
+
+def test_other_input_shapes_than_profiled_are_refused():
+    model, x, y = _model()
+    chain = hcv.profile(model, x, warmup=0, repeats=1, progress=False)
+    hcv.apply(model, strategies.store_all(chain), chain=chain)
+    with pytest.raises(InputMismatch, match=r"\[8, 16\]"):
+        model(torch.randn(4, 16))
+    _step(model, x, y)  # the profiled shape trains
+    with pytest.raises(InputMismatch, match="profiled \\[8, 16\\] float32, called with \\[6, 16\\]"):
+        model(torch.randn(6, 16))
+    model.eval()
+    assert model(torch.randn(6, 16)).shape == (6, 4)  # eval is the plain model, any shape
+
+
+def test_a_model_changed_after_applying_or_profiling_is_refused():
+    model, x, y = _model()
+    hcv.apply(model, SCHEDULES["optimal_mid"])
+    _step(model, x, y)
+    model[4] = nn.Linear(32, 32)  # a layer replaced after applying
+    with pytest.raises(ScheduleMismatch, match="changed after the schedule was applied"):
+        _step(model, x, y)
+    # Changed between profiling and applying: a traced model keeps its old stages, which would run without the new
+    # parameters (as LoRA adapters added after profiling).
+    net, inp = _Pair(), {"a": torch.randn(4, 8), "b": torch.randn(4, 8)}
+    chain = hcv.profile(net, inp, warmup=0, repeats=1, progress=False)
+    net.extra = nn.Parameter(torch.zeros(8))
+    with pytest.raises(ScheduleMismatch, match="extra"):
+        hcv.apply(net, strategies.store_all(chain), sample=inp)
+
+
+class _Pair(nn.Module):
+    """A custom forward with two keyword inputs (traced into stages)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+        h = a if b is None else a + b
+        for layer in self.layers:
+            h = layer(h)
+        return h * scale
+
+
+def test_keywords_and_the_dict_are_the_same_structure_other_structures_are_refused():
+    net, inp = _Pair(), {"a": torch.randn(4, 8), "b": torch.randn(4, 8)}
+    twin = copy.deepcopy(net)
+    chain = hcv.profile(net, inp, warmup=0, repeats=1, progress=False)
+    hcv.apply(net, solve(chain).schedule(solve(chain).min_budget), chain=chain)
+    grads = []
+    for call in (lambda m: m(**inp), lambda m: m(inp), lambda m: m(inp["a"], b=inp["b"]),
+                 lambda m: m(**inp, scale=1.0)):  # a default value passed explicitly is no difference
+        net.zero_grad()
+        call(net).pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    twin(**inp).pow(2).sum().backward()
+    for g in grads:
+        assert all(torch.equal(a, p.grad) for a, p in zip(g, twin.parameters()))
+    with pytest.raises(InputMismatch, match="b: profiled, missing"):
+        net(a=inp["a"])
+    with pytest.raises(InputMismatch, match="scale"):
+        net(**inp, scale=2.0)
+    with pytest.raises(InputMismatch, match="cannot take this call"):
+        net(**inp, c=inp["a"])
+
+
+def test_torch_compile_of_a_model_applied_by_the_executor_says_to_use_native():
+    model, x, _ = _model()
+    hcv.apply(model, SCHEDULES["optimal_low"])
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(hcv.HChainError, match="native=True"):
+        compiled(x)
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (2, 16))
+    return model, {"input_ids": ids, "attention_mask": torch.ones(2, 16, dtype=torch.long), "labels": ids}
+
+
+def test_hf_model_keeps_config_save_pretrained_generate_and_refuses_double_checkpointing(tmp_path, capsys):
+    model, batch = _gpt2()
+    plain = copy.deepcopy(model)
+    hcv.checkpoint(model, batch, budget="250KiB", progress=False)
+    said = capsys.readouterr().out
+    assert "GPT2LMHeadModel" in said and "predicted activation peak" in said and "vs store-all" in said
+    assert re.search(r"activation budget 250 KiB: [1-9]\d* recomputed forwards", said), said
+    assert model.config.n_layer == 2 and inspect.signature(model.forward) == inspect.signature(plain.forward)
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "generation_config.json",
+                                                           "model.safetensors"]
+    model.eval()
+    torch.manual_seed(0)
+    out = model.generate(batch["input_ids"][:, :4], max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, plain.eval().generate(batch["input_ids"][:, :4], max_new_tokens=3, do_sample=False))
+    model.train()
+    with pytest.raises(DoubleCheckpointing, match="gradient_checkpointing"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.gradient_checkpointing_enable()
+    with pytest.raises(DoubleCheckpointing):
+        model.activation_checkpointing_enable()
+    hcv.remove(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.gradient_checkpointing_enable()  # HF's own again, after remove
+        with pytest.raises(DoubleCheckpointing, match="already checkpoints"):
+            hcv.apply(model, hcv.Schedule.parse(" ".join(f"Fall{i}" for i in range(4)) + " Loss "
+                                                + " ".join(f"B{i}" for i in reversed(range(4)))))
+
+
+def test_segment_tree_of_every_dp_schedule_and_a_schedule_that_is_not_one():
+    for seed in range(6):
+        chain = Chain.random(9, seed=seed)
+        sol = solve(chain)
+        for budget in range(sol.min_budget, sol.store_all_peak + 1, max(1, (sol.store_all_peak - sol.min_budget) // 7)):
+            schedule = sol.schedule(budget)
+            tree = segment_tree(schedule)
+            assert tree_ops(tree, 9) == [(op.kind, op.stage) for op in schedule.ops]
+    nested = segment_tree(hcv.Schedule.parse("Fck0 Fn1 Fn2 Fall3 Loss B3 Fck0 Fn1 Fall2 B2 Fall0 Fall1 B1 B0"))
+    assert nested == (Region(0, 2, (Region(0, 1, (0, 1)), 2)), 3)
+    # Every baseline is a tree too; an offloading schedule is not (the native form has no transfers).
+    chain = Chain.random(12, seed=1)
+    for name, schedule in strategies.baseline_schedules(chain).items():
+        assert tree_ops(segment_tree(schedule), 12) == [(op.kind, op.stage) for op in schedule.ops], name
+    offload = hcv.Schedule.parse("Fall0 Off0 Fall1 Loss B1 Pre0 B0")
+    with pytest.raises(NotNative, match="Off/Pre"):
+        segment_tree(offload)
+    with pytest.raises(NotNative, match="op 2 is B1 where the segment tree needs Fck2"):
+        segment_tree(hcv.Schedule.parse("Fall0 Fall1 B1 Fall2 Loss B2 B0"))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    with pytest.raises(NotNative, match="without native=True"):
+        hcv.apply(model, offload, native=True)
+    assert "forward" not in vars(model)  # refused before anything was installed
