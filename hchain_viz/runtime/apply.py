@@ -431,7 +431,7 @@ class _Applied:
                 f"batch, ...)) so the schedule's memory is the training step's")
 
     def _executor_for(self, key: Any, x0: Any) -> Any:
-        if not self.executors:  # the first structure: the stages profiled (or traced now)
+        if key == ():  # the profiled structure: the stages profiled (or traced now)
             ex = self.first
             with self._bypassed():
                 ex._ensure_stages(x0)
@@ -444,6 +444,9 @@ class _Applied:
     def _retrace(self, x0: Any) -> Any:
         from .stages import sequentialize
 
+        if self.first.stages is None:  # the stages of the profiled structure, to compare with
+            with self._bypassed():
+                self.first._ensure_stages({k: v for k, v in x0.items() if k not in LOSS_KWARGS})
         names = [n for n, _ in self.first.stages]
         tried = []
         for granularity in (None, "sublayer", "finest"):
@@ -551,7 +554,8 @@ class _Structure:
             args, kwargs = (), dict(args[0])
         form = "single" if state.sequential or (len(args) == 1 and not kwargs) else "dict" if kwargs else "tuple"
         named = _named(state, args, kwargs)
-        return cls(form, {k: _value_key(v) for k, v in named.items()})
+        # The Trainer's loss arguments are no part of a batch as profiled: accepted as additions (see bind)
+        return cls(form, {k: _value_key(v) for k, v in named.items() if k not in LOSS_KWARGS or form != "dict"})
 
     @staticmethod
     def as_call_form(form: str, sample: Any) -> tuple[tuple, dict]:
