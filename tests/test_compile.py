@@ -269,3 +269,85 @@ def test_per_stage_activation_memory_budget_shrinks_what_compiled_stages_save():
 def test_bad_activation_memory_budget_is_an_hchain_error(bad):
     with pytest.raises(HChainError, match="activation_memory_budget"):
         compile_options(bad)
+
+
+# ---------------------------------------------------------------------------------------------- native form (issue 22)
+def _native_case():
+    """Dropout and BatchNorm in nested regions: a least-memory DP schedule on a random chain of 9 stages."""
+    from hchain_viz.core.chain import Chain
+    from hchain_viz.core.solver import solve
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 32),
+                          nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    sol = solve(Chain.random(len(model), seed=5))
+    return model, x, y, sol.schedule(sol.min_budget)
+
+
+def test_native_form_compiled_whole_gives_eager_losses_gradients_buffers_and_rng():
+    """torch.compile(model) of the native form: one graph (after the checks' graph break), nested checkpoint regions
+    inside, and bitwise the eager plain model's losses, gradients, BatchNorm statistics (updated once) and global RNG
+    with aot_eager (ATen's own kernels and random numbers; inductor's fused kernels round differently)."""
+    import copy
+
+    import hchain_viz as hcv
+    from hchain_viz.runtime.native import Region, segment_tree
+
+    model, x, y, schedule = _native_case()
+    tree = segment_tree(schedule)
+    assert any(isinstance(n, Region) and any(isinstance(b, Region) for b in n.body) for n in tree)  # nested
+    twin = copy.deepcopy(model)
+    hcv.apply(model, schedule, native=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    for step in range(2):
+        results = []
+        for net in (compiled, twin):
+            torch.manual_seed(10 + step)
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            results.append((loss.detach(), torch.get_rng_state()))
+        (la, ra), (le, re_) = results
+        assert torch.equal(la, le) and torch.equal(ra, re_)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers()))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_native_form_records_checkpoint_regions_in_the_compiled_graph():
+    """What Dynamo captures holds the schedule: one checkpoint higher-order op per top-level region."""
+    import hchain_viz as hcv
+    from hchain_viz.runtime.native import Region, segment_tree
+
+    model, x, y, schedule = _native_case()
+    hcv.apply(model, schedule, native=True)
+    graphs = []
+
+    def keep(gm, example_inputs):  # keeps Dynamo's graph, then compiles as aot_eager (functionalized BatchNorm)
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    nn.functional.cross_entropy(torch.compile(model, backend=keep)(x), y).backward()
+    assert len(graphs) == 1
+    hops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "checkpoint" in str(n.target)]
+    assert len(hops) == sum(isinstance(n, Region) for n in segment_tree(schedule))
+
+
+def test_native_form_in_eager_mode_is_bitwise_like_eager_and_refuses_offloading():
+    import copy
+
+    import hchain_viz as hcv
+    from hchain_viz.runtime.native import NotNative
+
+    model, x, y, schedule = _native_case()
+    twin = copy.deepcopy(model)
+    hcv.apply(model, schedule, native=True)
+    for net in (model, twin):
+        torch.manual_seed(3)
+        nn.functional.cross_entropy(net(x), y).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers()))  # statistics updated once
+    hcv.remove(model)
+    with pytest.raises(NotNative, match="Off/Pre"):
+        hcv.apply(model, hcv.Schedule.parse("Fall0 Off0 Fall1 Loss B1 Pre0 B0"), native=True)

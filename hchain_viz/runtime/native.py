@@ -23,7 +23,10 @@ Guarantees, as the executor's (DESIGN §5):
 - BatchNorm running statistics: ``torch.utils.checkpoint`` reruns a region's forward in train mode, which would
   update them a second time. In eager mode each region's recomputation runs with the statistics of its norm layers
   swapped for copies that are thrown away (``context_fn``). Under ``torch.compile`` the buffer updates are part of
-  the compiled forward and the backward's recomputation does not repeat them (tested with ``aot_eager``).
+  the compiled forward and the backward's recomputation does not repeat them (tested with ``aot_eager``: losses,
+  gradients, statistics and the RNG bitwise like the eager plain model). Dynamo's ``backend="eager"`` (no
+  AOTAutograd) is the exception: a region that updates statistics fails in the backward with autograd's in-place
+  error (loudly, never a wrong number); use inductor or ``aot_eager``.
 """
 
 from __future__ import annotations
