@@ -277,3 +277,4 @@ def test_distributed_data_parallel_on_an_applied_model_gloo_two_processes(tmp_pa
         (lp, wp), (la, wa) = record["plain"], record["applied"]
         assert all(torch.equal(a, b) for a, b in zip(la, lp))
         assert all(torch.equal(a, b) for a, b in zip(wa, wp))
+

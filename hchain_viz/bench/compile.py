@@ -16,6 +16,13 @@ configuration alike), with the spread (max - min over rounds, relative to the me
 
     python -m hchain_viz bench compile [--models resnet_chain,nanogpt] [--rounds 5] [--threads 1] [--small]
                                        [--budgets 1.0,0.7,0.5,0.3,0.1,0.0]
+
+``--native``: instead, the schedule applied in its native form (``hcv.apply(model, schedule, native=True)``: nested
+non-reentrant checkpoint regions) and the whole model compiled by ``torch.compile`` (inductor), against
+``torch.compile``'s ``activation_memory_budget`` at equal measured memory (the allocator-event meter sees compiled
+code). Candidates are DP schedules of the eager-profiled chain at ``--candidates`` budgets spread from the least to
+store-all, each applied to its own copy of the model and compiled once; per compile budget, the fastest whose measured
+peak is at most compile's. ``meas/pred`` is the measured peak over the eager chain's prediction for the schedule.
 """
 
 from __future__ import annotations
@@ -56,6 +63,10 @@ def run(args: list[str]) -> None:
     parser.add_argument("--stage-budgets", default=None, metavar="B,B,...",
                         help="instead: per-stage partitioner budgets (compile={'activation_memory_budget': b}), each "
                              "profiled: what the compiled stages save and their times")
+    parser.add_argument("--native", action="store_true",
+                        help="the schedule in its native form compiled whole, against activation_memory_budget")
+    parser.add_argument("--candidates", type=positive_int, default=6,
+                        help="--native: DP schedules compiled (least budget to store-all)")
     opts = parser.parse_args(args)
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -74,7 +85,9 @@ def run(args: list[str]) -> None:
         return
     summary = []
     for name in [n.strip() for n in opts.models.split(",")]:
-        summary.append(_one_model(name, (SMALL if opts.small else SIZES).get(name, {}), budgets, rounds))
+        sizes = (SMALL if opts.small else SIZES).get(name, {})
+        summary.append(_native(name, sizes, budgets, rounds, opts.candidates) if opts.native
+                       else _one_model(name, sizes, budgets, rounds))
     print()
     for line in summary:
         print(line)
@@ -167,6 +180,75 @@ def _one_model(name: str, sizes: dict, budgets: list[float], rounds: int) -> str
     return (f"{name}: compiled-stage optimum vs torch.compile budget at equal measured memory: mean speedup "
             f"{statistics.mean(speedups):.2f}x (min {min(speedups):.2f}x, max {max(speedups):.2f}x, "
             f"{len(speedups)} points); measured/predicted peak {min(ratios):.3f}..{max(ratios):.3f}")
+
+
+def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candidates: int) -> str:
+    """The native form compiled whole (inductor) against torch.compile's activation_memory_budget, measured."""
+    import copy
+
+    from ..core.simulate import simulate
+    from ..core.solver import solve
+    from ..core.units import format_bytes, format_time
+    from ..runtime import models
+    from ..runtime.apply import apply
+    from ..runtime.compiled import budget_backend
+    from ..runtime.measure import measure
+    from ..runtime.profile import profile
+
+    model, x, loss_fn = models.demo_model(name, **sizes)
+    t0 = time.perf_counter()
+    compiled = {b: torch.compile(model, backend=budget_backend(b)) for b in budgets}
+    c_peak = {b: measure(m, x, loss_fn, repeats=1).peak_bytes for b, m in compiled.items()}
+    chain = profile(model, x, loss_fn, progress=False)
+    sol = solve(chain)
+    lo, hi = sol.min_budget, sol.store_all_peak
+    cands: dict[tuple, tuple[Any, int, Any, nn.Module]] = {}
+    for k in range(n_candidates):
+        s = sol.schedule(lo + (hi - lo) * k // max(1, n_candidates - 1))
+        if s.ops in cands:
+            continue
+        twin = copy.deepcopy(model)
+        apply(twin, s, native=True)
+        cm = torch.compile(twin)
+        cands[s.ops] = (cm, measure(cm, x, loss_fn, repeats=1).peak_bytes, s, twin)
+    setup = time.perf_counter() - t0
+    modules = [model, *compiled.values()] + [c[0] for c in cands.values()]
+    stats = _interleaved(modules, x, loss_fn, rounds)
+    t_of = {id(m): st for m, st in zip(modules, stats)}
+    ref_c1 = _grads(model, compiled[1.0], x, loss_fn) if 1.0 in compiled else None
+    head = ("budget", "compile peak", "compile time", "native peak", "meas/pred", "recomputed", "native time",
+            "speedup", "grad vs c@1.0")
+    rows, speedups, ratios = [], [], []
+    for b in budgets:
+        ct = t_of[id(compiled[b])]
+        row = [f"{b:.1f}", format_bytes(c_peak[b]), _fmt_t(ct, format_time)]
+        fits = [c for c in cands.values() if c[1] <= c_peak[b]]
+        if not fits:
+            rows.append(row + ["(none fits)", "", "", "", "", ""])
+            continue
+        cm, peak, s, twin = min(fits, key=lambda c: t_of[id(c[0])][0])
+        pred = simulate(chain, s).peak_memory
+        ot = t_of[id(cm)]
+        speedups.append(ct[0] / ot[0])
+        ratios.append(peak / pred)
+        g = _grads(twin, cm, x, loss_fn)
+        rows.append(row + [format_bytes(peak), f"{peak / pred:.3f}", str(s.n_recomputed), _fmt_t(ot, format_time),
+                           f"{ct[0] / ot[0]:.2f}x", "-" if ref_c1 is None else _err(g, ref_c1)])
+    low = min(cands.values(), key=lambda c: c[1])
+    all_ratios = [c[1] / simulate(chain, c[2]).peak_memory for c in cands.values()]
+    print()
+    print(f"{name} {sizes}: {chain.length} stages; eager step {_fmt_t(t_of[id(model)], format_time)}; setup "
+          f"(compiling {len(cands) + len(budgets)} graphs, profiling, measuring) {setup:.0f} s")
+    print_table(head, rows, left=1)
+    print(f"  native candidates: measured/predicted peak {min(all_ratios):.3f}..{max(all_ratios):.3f}; least "
+          f"{format_bytes(low[1])} measured ({low[1] / min(c_peak.values()):.2f}x compile's lowest "
+          f"{format_bytes(min(c_peak.values()))}) in {_fmt_t(t_of[id(low[0])], format_time)}")
+    if not speedups:
+        return f"{name}: no native schedule fits under any compile peak"
+    return (f"{name} native: vs torch.compile budget at equal measured memory: mean speedup "
+            f"{statistics.mean(speedups):.2f}x (min {min(speedups):.2f}x, max {max(speedups):.2f}x, "
+            f"{len(speedups)} points); least peak {low[1] / min(c_peak.values()):.2f}x compile's lowest; "
+            f"measured/predicted peak {min(all_ratios):.3f}..{max(all_ratios):.3f}")
 
 
 def _stage_budgets(name: str, sizes: dict, budgets: list[float]) -> None:

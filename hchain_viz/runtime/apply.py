@@ -98,6 +98,9 @@ def apply(model: nn.Module, schedule: Schedule | str, *, chain: Chain | None = N
     if isinstance(model, ScheduledModule):
         raise AlreadyApplied("the model is a wrapped one (hcv.wrap); apply the schedule to its .model instead")
     _refuse_hf_checkpointing(model, when="apply")
+    if native and compile:
+        raise HChainError("native=True is compiled whole by torch.compile(model); compile= compiles each stage under "
+                          "the executor instead. Choose one")
     state = _Applied(model, _as_schedule(schedule), chain=chain, native=bool(native),
                      preserve_rng_state=preserve_rng_state, compile=compile)
     if sample is not None:
@@ -326,7 +329,7 @@ class _Applied:
         """A chain profiled for another model is refused: class, stage names, parameter bytes."""
         model = self.model
         meta = chain.meta or {}
-        if meta.get("model") not in (None, type(model).__name__):
+        if meta.get("model") not in (None, *(c.__name__ for c in type(model).__mro__)):  # FSDP2 subclasses it
             raise ScheduleMismatch(
                 f"the chain was profiled on a {meta['model']}, not this {type(model).__name__}; profile this model "
                 f"(hcv.profile(model, batch)) and solve again")
@@ -470,13 +473,15 @@ class _Applied:
         """Per training call: the model's modules and parameters are those it had when the schedule was applied, and
         Hugging Face's checkpointing is off."""
         model = self.model
-        if _fingerprint(model) != self.fingerprint:
+        modules = list(model.modules())
+        if _Same([*modules, *model.parameters()]) != self.fingerprint:
             raise ScheduleMismatch(
                 f"the modules or parameters of this {type(model).__name__} changed after the schedule was applied "
                 f"(adapters added, a layer replaced, parameters sharded or re-created): its stages would run the old "
                 f"ones. Call hcv.remove(model), profile the model as it is now, and apply the new schedule")
-        _refuse_hf_checkpointing(model, when="call")
-        modes = _modes(model)
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
+            _refuse_hf_checkpointing(model, when="call")
+        modes = tuple(m.training for m in modules)
         if modes != self.modes:  # dropout may come and go with submodules' modes: learn again which stages draw
             self.modes = modes
             for ex in self.executors.values():
