@@ -258,3 +258,21 @@ def test_segment_tree_of_every_dp_schedule_and_a_schedule_that_is_not_one():
     with pytest.raises(NotNative, match="without native=True"):
         hcv.apply(model, offload, native=True)
     assert "forward" not in vars(model)  # refused before anything was installed
+
+
+def test_checkpoint_one_liner_budgets(capsys):
+    model, x, y = _model()
+    with pytest.raises(hcv.HChainError, match="optimizer="):
+        hcv.checkpoint(model, x, device_memory="1GiB", progress=False)
+    with pytest.raises(hcv.HChainError, match="not both"):
+        hcv.checkpoint(model, x, budget="1MiB", device_memory="1GiB", progress=False)
+    hcv.checkpoint(model, x, progress=False)  # a CPU model and no budget: store-all, and it says so
+    assert "store-all" in capsys.readouterr().out
+    assert vars(model)["_hcv_applied"].schedule.n_recomputed == 0
+    with pytest.raises(AlreadyApplied):
+        hcv.checkpoint(model, x, progress=False)
+    hcv.remove(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hcv.checkpoint(model, x, device_memory="64MiB", optimizer=opt, progress=False, verbose=False)
+    assert capsys.readouterr().out == ""
+    _step(model, x, y)
