@@ -278,3 +278,55 @@ def test_distributed_data_parallel_on_an_applied_model_gloo_two_processes(tmp_pa
         assert all(torch.equal(a, b) for a, b in zip(la, lp))
         assert all(torch.equal(a, b) for a, b in zip(wa, wp))
 
+
+
+def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, schedule_json: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        record = {}
+        for label in ("plain", "applied"):
+            model, x, y = _mlp()
+            for stage in model:
+                fully_shard(stage, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            if label == "applied":  # after sharding, on the root: its forward hooks run around the schedule
+                hcv.apply(model, hcv.Schedule.from_json(schedule_json))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            xb, yb = x.chunk(world)[rank], y.chunk(world)[rank]
+            losses = []
+            for step in range(2):
+                torch.manual_seed(10 * rank + step)
+                loss = nn.functional.cross_entropy(model(xb), yb)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            record[label] = (losses, [p.detach().to_local().clone() for p in model.parameters()])
+        torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_fully_shard_then_apply_gloo_two_processes(tmp_path):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed missing")
+    model, x, y = _mlp()
+    chain = hcv.profile(model, x.chunk(2)[0], warmup=0, repeats=1, progress=False)
+    schedule = hcv.solve(chain).schedule(hcv.solve(chain).min_budget)
+    assert schedule.n_recomputed > 0
+    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), schedule.to_json()), nprocs=2)
+    for rank in range(2):
+        record = torch.load(tmp_path / f"rank{rank}.pt")
+        (lp, wp), (la, wa) = record["plain"], record["applied"]
+        assert all(torch.equal(a, b) for a, b in zip(la, lp))
+        assert all(torch.equal(a, b) for a, b in zip(wa, wp))

@@ -397,7 +397,7 @@ class _Step:
     def _note_made(self, i: int, inputs: list[torch.Tensor], out: Any) -> None:
         """Remember which storages of x_{i+1} the forward of stage i made (not handed on from its input)."""
         if self.link is None and i + 1 < self.L:
-            self.made[i + 1] = made_storages(inputs, flatten(out)[0], self.m._stage_modules[i])
+            self.made[i + 1] = made_storages(inputs, flatten(out)[0], _LocalTensors(self.m._stage_modules[i]))
 
     def _free_transit(self, i: int, inputs: list[torch.Tensor], out: Any, in_xbar: bool, joined: bool) -> None:
         # NOTE [memory model]: after Fall(i), the part of x_i that no backward needs is freed (chain.transit, DESIGN
@@ -552,6 +552,24 @@ class _Step:
         for device, dtype in self.autocast:
             stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=self.autocast_cache and grad))
         return stack
+
+
+class _LocalTensors:
+    """A stage's parameters and buffers as plain tensors: a sharded one (FSDP2's DTensor, once the stage has
+    resharded after its forward) by its local shard, whose storage is real; the DTensor itself has none."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [_local(p) for p in self.module.parameters()]
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [_local(b) for b in self.module.buffers()]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _same_state(a: tuple[bytes, list[bytes]], b: tuple[bytes, list[bytes]]) -> bool:
