@@ -244,7 +244,6 @@ class _Applied:
         self.chain = chain
         self.native = native
         self.bypass = False  # True while stages are traced: the model's own forward runs
-        self.instance_forward = model.__dict__.get("forward")  # an instance forward someone installed before us
         bound = model.forward
         self.unbound = inspect.ismethod(bound) and bound.__self__ is model
         self.original = bound.__func__ if self.unbound else bound
