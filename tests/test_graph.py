@@ -1,4 +1,4 @@
-"""Tests of runtime/graph.py: automatic chain extraction with torch.fx / torch.export.
+"""Tests of runtime/graph/ (the package): automatic chain extraction with torch.fx / torch.export.
 
 Every model is checked end to end: the stages run in sequence give the model's output bitwise (CPU), and the
 gradients of a backward through the staged run equal eager ones. Optional packages (transformers, torchvision)
