@@ -13,6 +13,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .functions import forget_calls, kept_call, kept_functions
+
 _ROOT = "_hcv_model"  # attribute path, inside a stage, of the live view of the model's top-level buffers
 
 
@@ -76,7 +78,8 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, single: bool) -> _Tra
     before = set(vars(model))
     tracer = _Tracer()
     try:
-        graph = tracer.trace(model, concrete_args=concrete or None)
+        with kept_functions("fx"):
+            graph = tracer.trace(model, concrete_args=concrete or None)
     finally:
         # fx stores tensor constants met while tracing as attributes of the model itself: take them back out.
         added = {name: vars(model)[name] for name in set(vars(model)) - before}
@@ -104,7 +107,9 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, single: bool) -> _Tra
 def _trace_export(model: nn.Module, args: tuple, kwargs: dict, single: bool) -> _Traced:
     from torch.export.graph_signature import InputKind, OutputKind
 
-    ep = torch.export.export(model, args, kwargs, strict=False)
+    forget_calls()
+    with kept_functions("export"):
+        ep = torch.export.export(model, args, kwargs, strict=False)
     in_spec, out_spec = ep.call_spec.in_spec, ep.call_spec.out_spec
     # The flat user inputs in export's order, each with its key path from the stage-0 input object.
     kw_spec = in_spec.children()[1] if hasattr(in_spec, "children") else in_spec.children_specs[1]
@@ -148,7 +153,11 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict, single: bool) -> 
     for node in ep.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        env[node] = g.node_copy(node, lambda n: env[n])
+        kept = kept_call(node)  # a custom autograd Function: one node that calls it (functions.py)
+        if kept is not None:
+            env[node] = g.call_function(kept, tuple(env[n] for n in node.args[1]))
+        else:
+            env[node] = g.node_copy(node, lambda n: env[n])
         env[node].meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
     for spec, value in zip(ep.graph_signature.output_specs, output_node.args[0]):
         value = env[value] if isinstance(value, fx.Node) else value
