@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import operator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,11 +106,47 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, single: bool) -> _Tra
     return _Traced(g, attrs, "fx")
 
 
+@contextmanager
+def _masks_as_in_eager(kwargs: dict) -> Iterator[None]:
+    """Let Hugging Face build attention masks under torch.export as it does in eager mode.
+
+    Without a padding mask, eager transformers skips the causal mask and calls SDPA with ``is_causal=True`` (and
+    ``enable_gqa`` for grouped-query attention); under ``torch.export`` it builds an explicit mask instead (and
+    repeats k and v per query head), for two reasons that do not hold for our stages:
+
+    - an exported program may later run on other shapes, where ``is_causal`` would be wrong: our stages are
+      specialised to the sample input's shapes anyway (``is_torchdynamo_exporting`` is answered False);
+    - whether the position ids pack several sequences in a row is a question about their *values*: when the call
+      passes no ``position_ids``, the model makes them with ``arange`` (one sequence per row), so we answer "not
+      packed" as eager does after looking (``find_packed_sequence_indices`` returns None).
+
+    The gradients then are eager's, bitwise, instead of 1e-8 apart (Mistral, Qwen2/3, Phi3, Gemma, Mixtral, LLaMA).
+    A padding mask (or position ids) in the call keeps the explicit mask: eager decides on its values, which a
+    shape-specialised stage cannot. See docs/models.md.
+    """
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    patches = {}
+    if masking is not None and hasattr(masking, "is_torchdynamo_exporting"):
+        patches["is_torchdynamo_exporting"] = lambda: False
+        if "position_ids" not in kwargs and hasattr(masking, "find_packed_sequence_indices"):
+            patches["find_packed_sequence_indices"] = lambda position_ids: None
+    originals = {name: getattr(masking, name) for name in patches}
+    for name, value in patches.items():
+        setattr(masking, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(masking, name, value)
+
+
 def _trace_export(model: nn.Module, args: tuple, kwargs: dict, single: bool) -> _Traced:
     from torch.export.graph_signature import InputKind, OutputKind
 
     forget_calls()
-    with kept_functions("export"):
+    with kept_functions("export"), _masks_as_in_eager(kwargs):
         ep = torch.export.export(model, args, kwargs, strict=False)
     in_spec, out_spec = ep.call_spec.in_spec, ep.call_spec.out_spec
     # The flat user inputs in export's order, each with its key path from the stage-0 input object.
