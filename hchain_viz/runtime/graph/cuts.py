@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .roles import _roles
+from .roles import _roles, _topk
 from .values import _target_name
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -73,36 +73,54 @@ class _Cuts:
         return m
 
     def _sublayer(self, segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Cut every block segment between its heavy ops, at the crossing of fewest bytes (the latest on a tie)."""
+        """Cut every block segment between its heavy ops, at the crossing of fewest bytes (the latest on a tie).
+        Identical blocks (the same ops in the same order) are cut at the same places: a cut is taken only where it
+        is valid in each of them, by their total crossing bytes."""
         out: list[tuple[int, int]] = []
         self._roles, self._parent, self._module_segments = [], [], segments
+        windows: dict[int, list[list[int]]] = {}  # block index -> per gap between heavy ops, its valid cut offsets
         for index, (a, b) in enumerate(segments):
-            if not any(self._is_block(u) for u in self._units[a: b + 1] if u not in self._glue):
+            if any(self._is_block(u) for u in self._units[a: b + 1] if u not in self._glue):
+                windows[index] = self._windows(a, b)
+        alike: dict[tuple, list[int]] = {}
+        for index in windows:
+            a, b = segments[index]
+            alike.setdefault(tuple(_target_name(n) for n in self.order[a: b + 1]), []).append(index)
+        for index, (a, b) in enumerate(segments):
+            if index not in windows:
                 out.append((a, b))
                 self._roles.append("")
                 self._parent.append(index)
                 continue
-            groups: list[tuple[str, int, int, fx.Node | None]] = []  # (kind, first, last, root read)
-            for p in range(a, b + 1):
-                kind = self._heavy(self.order[p])
-                if not kind:
-                    continue
-                root = self._root(self.order[p]) if kind == "weight" else None
-                if groups and kind == "weight" and groups[-1][0] == "weight" and groups[-1][3] is root:
-                    groups[-1] = ("weight", groups[-1][1], p, root)  # q, k, v (or gate, up) read the same value
-                else:
-                    groups.append((kind, p, p, root))
+            twins = next(group for group in alike.values() if index in group)
             cuts = []
-            for (_, _, end, _), (_, start, _, _) in zip(groups, groups[1:]):
-                window = [p for p in range(end, start) if a <= p < b and self._multi_cuttable(p)]
-                if window:
-                    cuts.append(min(window, key=lambda p: (self._crossing_bytes(p), -p)))
+            for w, window in enumerate(windows[index]):
+                common = [d for d in window if all(d in windows[k][w] for k in twins)]
+                if common:
+                    cuts.append(a + min(common, key=lambda d: (
+                        sum(self._crossing_bytes(segments[k][0] + d) for k in twins), -d)))
             bounds = [a - 1, *sorted(set(cuts)), b]
             parts = [(bounds[i] + 1, bounds[i + 1]) for i in range(len(bounds) - 1)]
             out += parts
             self._parent += [index] * len(parts)
-            self._roles += _roles([[self._heavy(n) for n in self.order[x: y + 1]] for x, y in parts])
+            self._roles += _roles([[self._heavy(n) or _topk(n) for n in self.order[x: y + 1]] for x, y in parts])
         return out
+
+    def _windows(self, a: int, b: int) -> list[list[int]]:
+        """For each gap between consecutive heavy-op groups of the block ``a..b``: the offsets (from ``a``) of the
+        valid sub-layer cuts in it."""
+        groups: list[tuple[str, int, int, fx.Node | None]] = []  # (kind, first, last, root read)
+        for p in range(a, b + 1):
+            kind = self._heavy(self.order[p])
+            if not kind:
+                continue
+            root = self._root(self.order[p]) if kind == "weight" else None
+            if groups and kind == "weight" and groups[-1][0] == "weight" and groups[-1][3] is root:
+                groups[-1] = ("weight", groups[-1][1], p, root)  # q, k, v (or gate, up) read the same value
+            else:
+                groups.append((kind, p, p, root))
+        return [[p - a for p in range(end, start) if a <= p < b and self._multi_cuttable(p)]
+                for (_, _, end, _), (_, start, _, _) in zip(groups, groups[1:])]
 
     # -- module cuts -----------------------------------------------------------------------------------------------
 
@@ -115,6 +133,15 @@ class _Cuts:
             return ""
         path = list(stack.values())[-1][0]
         return ".".join(part.split("@")[0] for part in path.split(".")) if path else ""
+
+    def _called(self, n: fx.Node, unit: str) -> str:
+        """``unit``, with ``@k`` when ``n`` runs in the module's call k+1 (torch.export numbers repeated calls): a
+        layer shared by weight and called once per layer (ALBERT) is as many units as calls."""
+        for key, (path, _) in (n.meta.get("nn_module_stack") or {}).items():
+            last = key.rsplit(".", 1)[-1]
+            if "@" in last and unit and ".".join(p.split("@")[0] for p in path.split(".")) == unit:
+                return f"{unit}@{last.rsplit('@', 1)[1]}"
+        return unit
 
     def _module(self, path: str) -> nn.Module | None:
         try:
@@ -159,14 +186,14 @@ class _Cuts:
     def _is_block(self, unit: str) -> bool:
         """A building block (layer2.1, h.3): a unit that has submodules of its own. Single layers (conv1, ln_f)
         and glue are not blocks: they are merged into the stem and the head."""
-        module = self._module(unit) if unit not in self._glue else None
+        module = self._module(unit.split("@")[0]) if unit not in self._glue else None
         return module is not None and any(True for _ in module.children())
 
     def _module_cuts(self) -> list[int]:
         depth = max((self.owner(n).count(".") + 1 for n in self.order if self.owner(n)), default=0)
         for force in range(depth + 1):
             self._glue: set[str] = set()
-            units = [self.unit(self.owner(n), force) for n in self.order]
+            units = [self._called(n, self.unit(self.owner(n), force)) for n in self.order]
             cuts = self._merge([p for p in self.valid if units[p] != units[p + 1]], units)
             if cuts:
                 self._units = units

@@ -61,6 +61,8 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
             plan = _Plan.make(traced, model, sample_input, timed=isinstance(mode, int))
             segments = plan.segments(mode)
             names = plan.names(segments, mode)
+            if len(set(names)) != len(names):  # names key chains, schedules and figures: never ambiguous
+                raise AssertionError(f"repeated stage names {sorted({n for n in names if names.count(n) > 1})}")
             stages = [(name, plan.build_stage(a, b, name)) for (a, b), name in zip(segments, names)]
             for (_, stage), group, tag in zip(stages, plan.groups, plan.tags):
                 stage.group, stage.tag = group, tag

@@ -3,26 +3,67 @@ part of a block at sub-layer granularity, read from the heavy ops it holds. ``_N
 
 from __future__ import annotations
 
+import re
+
+import torch.fx as fx
+
+from .values import _target_name
+
 _ATTN_CORE = {"core", "scores", "probs", "context"}  # the roles of attention's core parts
 
 
+def _topk(n: fx.Node) -> str:
+    """"topk" for a top-k selection (a mixture-of-experts router picking experts), else ""."""
+    return "topk" if "topk" in _target_name(n).lower() else ""
+
+
 def _roles(parts: list[list[str]]) -> list[str]:
-    """Readable roles of the parts of one transformer block, from the heavy ops each holds (see _Plan._heavy):
-    attn.qkv, attn.scores, attn.probs, attn.context (or attn.core for a fused attention op), attn.out, mlp.up,
-    mlp.down. A second attention (a decoder's cross-attention) gets the same roles under xattn (a third under
-    xattn2, ...). A block without attention gets part0, part1, ..."""
+    """Readable roles of the parts of one transformer block, from the heavy ops each holds (see _Plan._heavy; "topk"
+    marks a top-k selection): attn.qkv, attn.scores, attn.probs, attn.context (or attn.core for a fused attention
+    op), attn.out, mlp.up, mlp.down. A second attention (a decoder's cross-attention) gets the same roles under xattn
+    (a third under xattn2, ...). A mixture-of-experts layer after the attentions gets moe.in0.. (what runs before the
+    router, e.g. a shared expert), moe.router (the gate's projection) and moe.experts, moe.experts2, ... (from the
+    router's softmax or top-k on). A block without attention or router gets part0, part1, ..."""
     if len(parts) == 1:
         return [""]
     kinds = [set(k) - {""} for k in parts]
-    attn = [i for i, k in enumerate(kinds) if k & {"matmul", "softmax", "fused"}]
-    if not attn:
-        return [f"part{i}" for i in range(len(parts))]
-    runs: list[list[int]] = []  # each attention: its consecutive core parts
-    for i in attn:
+    core = [i for i, k in enumerate(kinds) if k & {"matmul", "softmax", "fused"}]
+    runs: list[list[int]] = []  # consecutive core parts
+    for i in core:
         if runs and i == runs[-1][-1] + 1:
             runs[-1].append(i)
         else:
             runs.append([i])
+    # An attention multiplies two activations (scores, context) or calls a fused attention op; a softmax or top-k
+    # without such a product is a router choosing experts: from there on, the block is a mixture of experts.
+    runs = [run for run in runs if any(kinds[j] & {"matmul", "fused"} for j in run)]
+    after = runs[-1][-1] + 1 if runs else 0
+    route = next((i for i in range(after, len(parts)) if kinds[i] & {"softmax", "topk"}), None)
+    if route is not None:
+        gate = route - 1 if route - 1 >= after and "weight" in kinds[route - 1] else route
+        n_head = min(after + 1, gate) if runs else 0  # the attentions and their out projection
+        head = _roles_attention(kinds[:after + 1], runs)[:n_head] if runs else []
+        moe = [f"moe.in{i - n_head}" for i in range(n_head, gate)]
+        moe += ["moe.router"] * (gate < route)
+        moe += ["moe.experts" if i == route else f"moe.experts{i - route + 1}" for i in range(route, len(parts))]
+        return _numbered(head + moe)
+    if not runs:
+        return [f"part{i}" for i in range(len(parts))]
+    return _numbered(_roles_attention(kinds, runs))
+
+
+def _numbered(roles: list[str]) -> list[str]:
+    """Repeated roles numbered from the second on (DeBERTa's scores, c2p and p2c: attn.scores, attn.scores2, ...)."""
+    seen: dict[str, int] = {}
+    out = []
+    for role in roles:
+        seen[role] = seen.get(role, 0) + 1
+        out.append(role if seen[role] == 1 else f"{role}{seen[role]}")
+    return out
+
+
+def _roles_attention(kinds: list[set[str]], runs: list[list[int]]) -> list[str]:
+    """Roles of a block's parts around its attentions (``runs``: each attention's consecutive core parts)."""
     prefix = ["attn", "xattn"] + [f"xattn{r}" for r in range(2, len(runs))]
     roles = []
     for i, k in enumerate(kinds):
@@ -37,7 +78,7 @@ def _roles(parts: list[list[str]]) -> list[str]:
         elif r < len(runs):  # before attention r: its projections (numbered from the block's or the last out)
             first = runs[r - 1][-1] + 2 if r else 0
             roles.append(f"{prefix[r]}.qkv" if i == runs[r][0] - 1 else f"{prefix[r]}.in{i - first}")
-        elif i == len(parts) - 1:
+        elif i == len(kinds) - 1:
             roles.append("mlp.down")
         else:
             k_up = i - runs[-1][-1] - 2
@@ -57,7 +98,8 @@ class _Naming:
             blocks = self.names(self._module_segments, "module")
             block_groups = self.groups
             self.groups = [block_groups[k] for k in self._parent]
-            self.tags = ["attn_core" if role.split(".")[-1] in _ATTN_CORE else "" for role in self._roles]
+            self.tags = ["attn_core" if re.sub(r"\d+$", "", role.split(".")[-1]) in _ATTN_CORE else ""
+                         for role in self._roles]
             return [blocks[k] + (f".{role}" if role else "") for k, role in zip(self._parent, self._roles)]
         self.groups: list[str | None] = [None] * len(segments)
         self.tags = [""] * len(segments)
@@ -135,6 +177,8 @@ def _shorten(full: list[tuple[str, ...]]) -> list[str]:
     """Turn ("module", path), ("range", first, last), ("part", path, "[children]") and ("fixed", name) entries
     into names: module paths lose leading parts while they stay unique ("transformer.h.3" -> "h.3"); names still
     repeated get "#1", "#2"."""
+    # A unit of a repeated call (``layer@1``: see _Cuts._called) is named after its module; "#k" tells them apart.
+    full = [(kind, *(re.sub(r"@\d+", "", part) for part in rest)) for kind, *rest in full]
     paths = [entry[1] for entry in full if entry[0] == "module"]
     names = []
     for kind, *rest in full:
