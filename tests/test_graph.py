@@ -1,4 +1,4 @@
-"""Tests of runtime/graph.py: automatic chain extraction with torch.fx / torch.export.
+"""Tests of runtime/graph/ (the package): automatic chain extraction with torch.fx / torch.export.
 
 Every model is checked end to end: the stages run in sequence give the model's output bitwise (CPU), and the
 gradients of a backward through the staged run equal eager ones. Optional packages (transformers, torchvision)
@@ -622,3 +622,102 @@ def test_other_hf_encoder_decoders_split_per_layer_and_train_like_eager(family):
         chain = _train_step_matches(model, inp, lambda out: out["loss"])
     assert chain.names == ("stem", "encoder.layers.0", "encoder.layers.1", "decoder.layers.0", "decoder.layers.1",
                            "head")
+
+
+# ------------------------------------------------------------------------------------ custom autograd Functions
+class _RoundSTE(torch.autograd.Function):
+    """Quantise to quarters; straight-through backward (the identity), as quantization-aware training does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _QuantBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + _RoundSTE.apply(self.lin(x))
+
+
+class _QuantNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_QuantBlock() for _ in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _QuantNetKw(_QuantNet):
+    def forward(self, x, **unused):  # **kwargs: fx cannot bind it, so torch.export traces this one
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("granularity", ["module", "sublayer", "finest"])
+def test_custom_autograd_function_keeps_its_backward(tracer, granularity):
+    """A straight-through estimator inside residual blocks: traced through, round's zero derivative would replace
+    the identity and every block weight would get a zero gradient. Kept whole, the gradients are eager's."""
+    torch.manual_seed(0)
+    model = (_QuantNet if tracer == "fx" else _QuantNetKw)()
+    x = torch.randn(4, 8)
+    stages = assert_matches_eager(model, x, granularity=granularity)
+    assert {s.method for _, s in stages} == {tracer}
+    assert all(p.grad.abs().sum() > 0 for p in model.parameters())
+    assert sum("_RoundSTE_apply" in s.code for _, s in stages) == 3  # one opaque call per block
+
+
+def test_traced_through_function_is_caught_by_the_gradient_check(monkeypatch):
+    """Extraction checks one backward: a Function traced through (as before the fix) is refused, by gradient."""
+    from hchain_viz.runtime.graph import functions
+
+    monkeypatch.setattr(functions, "_kept", lambda cls: False)
+    with pytest.raises(NotSequentialError, match=r"not its gradients.*blocks\.0\.lin\.weight"):
+        extract_stages(_QuantNet(), torch.randn(4, 8))
+
+
+class _Pair(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2, "not a tensor"
+
+    @staticmethod
+    def backward(ctx, g, _):
+        return g * 2
+
+
+def test_function_with_non_tensor_output_is_refused_by_name():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x, **unused):
+            return self.b(_Pair.apply(self.a(x))[0])
+
+    with pytest.raises(NotSequentialError, match=r"_Pair returns tuple values, not tensors"):
+        extract_stages(Net(), torch.randn(2, 4))
+
+
+def test_bloom_gelu_function_keeps_bloom_gelu_back():
+    """Bloom's MLP activation is a custom Function (GeLUFunction) with a hand-written backward (bloom_gelu_back)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, 16))
+    for granularity in ("module", "sublayer"):
+        model.zero_grad()
+        stages = extract_stages(model, {"input_ids": ids, "labels": ids}, granularity=granularity)
+        assert sum("GeLUFunction_apply" in s.code for _, s in stages) == 2
+    _train_step_matches(model, {"input_ids": ids, "labels": ids}, lambda out: out["loss"], granularity="sublayer")

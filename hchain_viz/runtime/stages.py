@@ -12,7 +12,7 @@ What is recognised, in this order:
    ``classifier``), VGG / AlexNet / EfficientNet-like (``features, avgpool, classifier``) and MobileNetV2-like
    (``features, classifier``). The functional bits of their ``forward`` (``torch.flatten``, DenseNet's final ReLU and
    pooling) become small stages of their own,
-4. anything else, when a ``sample_input`` is given: automatic graph extraction (``runtime/graph.py``).
+4. anything else, when a ``sample_input`` is given: automatic graph extraction (``runtime/graph/``).
 
 A stage that modifies its input in place (a standalone ``ReLU(inplace=True)``, a ``Dropout(inplace=True)``, or -
 detected with a sample input - any stage that bumps its input's version counter) is fused with its predecessor:
@@ -310,7 +310,7 @@ def buffer_snapshot(modules: list[nn.Module]) -> Callable[[], None]:
 
 
 def _extract(model: Any, sample_input: Any, granularity: str | None, *, why: str) -> list[Stage]:
-    """Graph extraction (runtime/graph.py, written separately); its NotSequentialError propagates."""
+    """Graph extraction (runtime/graph/, written separately); its NotSequentialError propagates."""
     try:
         from .graph import extract_stages
     except ModuleNotFoundError as e:

@@ -1,0 +1,105 @@
+"""Stages: :class:`GraphStage`, and building one from a range of the plan's ops (``_Building``, a mixin of
+``_Plan``): the ops themselves, the constants they read (recomputed), the literals that cross (specialised)."""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ...errors import NotSequentialError
+from .tracing import _module_from_graph
+
+
+class GraphStage(nn.Module):
+    """One stage of an extracted chain: an ``fx.GraphModule`` over a slice of the model's traced graph.
+
+    ``self.gm`` holds the model's own submodules (not copies) at their original paths, so ``parameters()`` yields
+    the model's ``nn.Parameter`` objects. ``out_spec`` (last stage of a ``torch.export`` extraction only) rebuilds
+    the model's output structure (e.g. a Hugging Face ``ModelOutput``) from the flat outputs. ``baked_training``
+    (``torch.export`` only) is the train/eval mode the stage's dropout and batch norm ops were traced in.
+    """
+
+    def __init__(self, gm: fx.GraphModule, name: str, *, out_spec: pytree.TreeSpec | None = None,
+                 method: str = "fx", baked_training: bool | None = None, probe: nn.Module | None = None):
+        super().__init__()
+        self.gm = gm
+        self.stage_name = name
+        self.method = method
+        self.baked_training = baked_training
+        self._out_spec = out_spec
+        self.group: str | None = None  # the block (layer) this stage belongs to; set by extract_stages
+        self.tag = ""  # "attn_core" on the stages of the core attention
+        # The model, whose train/eval mode we compare with: weakly held (the extraction cache is keyed by it).
+        object.__setattr__(self, "_probe", weakref.ref(probe) if probe is not None else None)
+
+    def forward(self, x: Any) -> Any:
+        probe = self._probe() if self._probe is not None else None
+        if self.baked_training is not None and probe is not None and probe.training != self.baked_training:
+            mode = "train" if self.baked_training else "eval"
+            raise NotSequentialError(
+                f"stage {self.stage_name!r} was extracted with torch.export with the model in {mode} mode, which "
+                f"fixes dropout and batch norm behaviour; the model is now in the other mode. Extract the stages "
+                f"again after model.{'eval' if self.baked_training else 'train'}()")
+        out = self.gm(x)
+        if self._out_spec is not None:
+            out = pytree.tree_unflatten(list(out), self._out_spec)
+        return out
+
+    @property
+    def code(self) -> str:
+        """The Python source fx generated for this stage (for reading, debugging)."""
+        return self.gm.code
+
+    def extra_repr(self) -> str:
+        return f"name={self.stage_name!r}, method={self.method!r}"
+
+
+class _Building:
+    """Turning a range of ops into a GraphStage (a mixin of ``_Plan``)."""
+
+    def build_stage(self, a: int, b: int, name: str) -> GraphStage:
+        g = fx.Graph()
+        x = g.placeholder("x")
+        env: dict[fx.Node, Any] = {}
+        inputs = [self.x] if a == 0 else self.crossing[a - 1]
+        if len(inputs) == 1:
+            env[inputs[0]] = x
+        else:
+            for k, v in enumerate(inputs):
+                env[v] = g.call_function(operator.getitem, (x, k))
+
+        def need(n: fx.Node) -> Any:
+            if n not in env:
+                if n in self.const:
+                    for m in n.all_input_nodes:
+                        need(m)
+                    env[n] = g.node_copy(n, lambda m: env[m])
+                elif n in self.literal:
+                    env[n] = self.info.literal[n]  # a size read in an earlier stage: specialised to its value
+                else:
+                    raise AssertionError(f"value {n.name} used by stage {name!r} is not available there")
+            return env[n]
+
+        for n in self.order[a: b + 1]:
+            for m in n.all_input_nodes:
+                need(m)
+            env[n] = g.node_copy(n, lambda m: env[m])
+        last = b == len(self.order) - 1
+        if last:
+            for m in self.output.all_input_nodes:
+                need(m)
+            g.output(fx.node.map_arg(self.output.args[0], lambda m: env[m]))
+        else:
+            outs = [env[v] for v in self.crossing[b]]
+            g.output(outs[0] if len(outs) == 1 else tuple(outs))
+        g.lint()
+        gm = _module_from_graph(g, self.traced.attrs, self.model, "Stage")
+        spec = self.traced.out_spec if last else None
+        baked = self.model.training if self.traced.method == "export" else None
+        return GraphStage(gm, name, out_spec=spec, method=self.traced.method, baked_training=baked,
+                          probe=self.model)
