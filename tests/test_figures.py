@@ -398,3 +398,24 @@ def test_frontier_of_an_offload_solution_shows_both_curves():
     # the remat+offload curve is never above the remat-only one
     for b, t in zip(main.x, main.y):
         assert t <= sol.remat.makespan(int(b)) * (1 + 1e-12)
+
+
+def test_teaching_chains_are_drawn_in_units_not_seconds_and_bytes():
+    from hchain_viz import course
+
+    chain = course.abstract(hcv.Chain.homogeneous(6, fwd_time=1.0, bwd_time=2.0, x=1, xbar=3))
+    sol = hcv.solve(chain, max_budget=40, slots=40)
+    trace = hcv.simulate(chain, sol.schedule(10))
+    figs = [F.timeline(trace), F.memory_curve(trace, budget=10), F.storage_tape(trace),
+            F.frontier(sol, budget=10)]
+    for fig in figs:
+        text = fig.to_json()
+        assert " B" not in fig.layout.title.text and not fig.layout.title.text.endswith(" s")
+        assert "KiB" not in text and '"ticksuffix":"s"' not in text.replace(" ", "")
+    assert figs[0].layout.title.text.endswith("time units")  # "... 23 ops, 30 time units"
+    assert "peak 10 units of 10 units budget" in figs[1].layout.title.text
+    assert list(figs[1].layout.yaxis.ticktext) == [f"{v:.4g}" for v in figs[1].layout.yaxis.tickvals]
+    assert figs[3].layout.yaxis.title.text == "makespan (time units)"
+    # a measured chain keeps its seconds and bytes
+    plain = F.timeline(hcv.simulate(hcv.Chain.homogeneous(6), strategies.store_all(hcv.Chain.homogeneous(6))))
+    assert plain.layout.xaxis.ticksuffix == "s"

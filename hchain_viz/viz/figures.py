@@ -59,6 +59,15 @@ def _cursor_shapes(view: TraceView, step: int | None) -> list[dict]:
                  line=dict(color=style.CURSOR_COLOR, width=2))]
 
 
+def _units(fig: go.Figure, source: Any) -> go.Figure:
+    """``fig`` relabelled in plain units when its chain is a teaching chain (``hchain_viz.course.abstract``)."""
+    chain = source.trace.chain if isinstance(source, TraceView) else getattr(source, "chain", None)
+    meta = getattr(chain, "meta", None)
+    if isinstance(meta, dict) and meta.get("units") == "abstract":
+        style.in_abstract_units(fig)
+    return fig
+
+
 def _check_step(view: TraceView, step: int | None) -> int | None:
     if step is None:
         return None
@@ -181,7 +190,7 @@ def timeline(trace: Trace, step: int | None = None) -> go.Figure:
     """Every op of ``trace`` as a bar over time on its stage's row; ``step`` draws a cursor after that many ops."""
     view = _view(trace)
     step = _check_step(view, step)
-    return go.Figure(data=timeline_traces(view, step), layout=timeline_layout(view, step))
+    return _units(go.Figure(data=timeline_traces(view, step), layout=timeline_layout(view, step)), view)
 
 
 # ====================================================================== memory curve
@@ -310,7 +319,7 @@ def memory_curve(trace: Trace, budget: int | None = None, step: int | None = Non
     """
     view = _view(trace)
     step = _check_step(view, step)
-    return go.Figure(data=memory_traces(view, budget, step), layout=memory_layout(view, budget, step))
+    return _units(go.Figure(data=memory_traces(view, budget, step), layout=memory_layout(view, budget, step)), view)
 
 
 # ====================================================================== storage tape
@@ -384,7 +393,7 @@ def storage_tape(trace: Trace, step: int | None = None) -> go.Figure:
     """A stage × time grid of what each stage holds: nothing, a checkpoint x, a full x̄, the output or a gradient δ."""
     view = _view(trace)
     step = _check_step(view, step)
-    return go.Figure(data=tape_traces(view, step), layout=tape_layout(view, step))
+    return _units(go.Figure(data=tape_traces(view, step), layout=tape_layout(view, step)), view)
 
 
 # ====================================================================== frontier
@@ -551,7 +560,8 @@ def frontier(solution: Any, strategies: Any = None, budget: int | None = None) -
             raise HChainError(f"frontier() needs a Solution from hcv.solve(chain), got {type(solution).__name__}")
     data = FrontierData.of(solution, strategies)
     name = "optimal + offload" if hasattr(solution, "remat") else "optimal"
-    return go.Figure(data=frontier_traces(data, budget, chain_name=name), layout=frontier_layout(data))
+    return _units(go.Figure(data=frontier_traces(data, budget, chain_name=name), layout=frontier_layout(data)),
+                  solution)
 
 
 # ---------------------------------------------------------------------------------------------- will it fit (§7)
