@@ -294,7 +294,12 @@ def memory_layout(view: TraceView, budget: int | None = None, step: int | None =
     name = view.trace.schedule.meta.get("strategy", "schedule")
     lay = style.base_layout(title or f"Memory ({name}): peak {format_bytes(view.peak)}"
                             + ("" if budget is None else f" of {format_bytes(budget)} budget"))
-    lay.update(yaxis=dict(style.byte_axis(0, top * 1.08), range=[0, top * 1.12]),
+    yaxis = style.byte_axis(0, top * 1.08)
+    # no tick label at 0: "0 B" would sit on the time axis' "0s" at the origin
+    keep = [k for k, v in enumerate(yaxis["tickvals"]) if v > 0] or list(range(len(yaxis["tickvals"])))
+    yaxis["tickvals"] = [yaxis["tickvals"][k] for k in keep]
+    yaxis["ticktext"] = [yaxis["ticktext"][k] for k in keep]
+    lay.update(yaxis=dict(yaxis, range=[0, top * 1.12]),
                xaxis=dict(style.TIME_AXIS, range=[0, t_end]), hovermode="closest",
                shapes=_cursor_shapes(view, step), annotations=[_peak_label(view, step, top)])
     return lay
@@ -496,11 +501,33 @@ def frontier_traces(data: FrontierData, budget: int | None = None, unit: tuple[s
                         customdata=np.column_stack([b / scale, over(t)]) if len(b) else np.zeros((0, 2)),
                         hovertemplate=hover, line=dict(width=1, dash="dot", color=style.strategy_color(name, j)),
                         marker=dict(size=7, color=style.strategy_color(name, j))))
+    out.append(_beyond_axes_trace(data))
     out += frontier_budget_traces(data, budget)
     y2 = over(np.asarray(data.y_range))
     out.append(dict(type="scatter", mode="markers", x=[data.x_range[0]] * 2, y=y2, yaxis="y2", showlegend=False,
                     hoverinfo="skip", marker=dict(opacity=0), name="overhead axis"))
     return out
+
+
+def _beyond_axes_trace(data: FrontierData) -> dict:
+    """Baseline points outside the axes' ranges (recompute-all's time far above the rest, a peak beyond store-all),
+    drawn as triangles on the edge they are beyond, in their strategy's colour; the hover text gives the real values.
+    Always one trace (maybe empty), so that the explorer's trace indices stay put."""
+    (x_lo, x_hi), (y_lo, y_hi) = data.x_range, data.y_range
+    xs, ys, symbols, colors, text = [], [], [], [], []
+    for j, (name, (b, t)) in enumerate(data.baselines.items()):
+        for bb, tt in zip(b.tolist(), t.tolist()):
+            if x_lo <= bb <= x_hi and y_lo <= tt <= y_hi:
+                continue
+            xs.append(min(max(bb, x_lo), x_hi))
+            ys.append(min(max(tt, y_lo), y_hi))
+            symbols.append("triangle-up" if tt > y_hi else "triangle-right" if bb > x_hi else
+                           "triangle-left" if bb < x_lo else "triangle-down")
+            colors.append(style.strategy_color(name, j))
+            text.append(f"{name}: {format_bytes(bb)}, {format_time(tt)} (beyond the axes)")
+    return dict(type="scatter", mode="markers", name="beyond the axes ▲", x=xs, y=ys, text=text, hoverinfo="text",
+                cliponaxis=False, showlegend=bool(xs),
+                marker=dict(symbol=symbols, color=colors, size=11, line=dict(width=1, color="#222")))
 
 
 def frontier_budget_traces(data: FrontierData, budget: int | None,
@@ -530,6 +557,9 @@ def frontier_layout(data: FrontierData, title: str | None = None) -> dict:
         xaxis=dict(style.byte_axis(x_lo, x_hi, ""), range=[x_lo, x_hi]),
         yaxis=dict(title_text="makespan", tickformat="~s", ticksuffix="s", range=list(data.y_range)),
         hovermode="x",  # a click anywhere picks the nearest budget: the explorer jumps there
+        # a compact legend: at 420 px the default one took a third of the figure
+        legend=dict(orientation="h", yanchor="top", y=-0.1, xanchor="left", x=0.0, font=dict(size=10),
+                    itemwidth=30, tracegroupgap=0, entrywidth=0),
         shapes=[dict(type="rect", xref="x", yref="paper", x0=x_lo, x1=data.min_budget, y0=0, y1=1,
                      fillcolor=style.INFEASIBLE_FILL, line_width=0, layer="below")],
         annotations=[dict(x=(x_lo + data.min_budget) / 2, y=0.5, xref="x", yref="paper", text="infeasible",
