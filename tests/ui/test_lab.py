@@ -104,8 +104,8 @@ def test_run_all_at_1280_with_the_file_browser_open(nb, app_timeline, assets_dir
     lo, hi = app_timeline.solution.min_budget, app_timeline.solution.store_all_peak
     app_timeline.wait(nb.page, (lo + hi) // 2, WAIT_MS)  # the middle budget's schedule, bar for bar
     # the step label is one line high, whatever it says
-    lines = nb.page.evaluate("""() => { const el = document.querySelector('.hcv-oneline .widget-html-content');
-                                        return el.scrollHeight / parseFloat(getComputedStyle(el).lineHeight); }""")
+    lines = nb.page.evaluate("""() => { const el = document.querySelector('.hcv-steptext');
+                                        return el.scrollHeight / (1.2 * parseFloat(getComputedStyle(el).fontSize)); }""")
     assert lines < 1.5
     # the profile cell's bar became text: the output holds no widget
     outputs = nb.page.evaluate("""() => window.jupyterapp.shell.currentWidget.content.model.cells.get(0)
