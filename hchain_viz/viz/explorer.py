@@ -65,7 +65,7 @@ _DYNAMIC_DATA = frozenset(("x", "y", "base", "customdata", "text", "marker.opaci
 _KEY_STEPS = 100
 # What x, x̄ and δ are, under the controls (hover a term for more).
 _GLOSSARY = (
-    "<div class='hcv-oneline hcv-glossary' style='font-size:90%;color:#444'>"
+    "<div class='hcv-glossary' style='font-size:90%;color:#444;white-space:normal;line-height:1.4'>"
     "<span title='the input of stage i, kept by a forward without autograd (Fck) until its backward: a checkpoint'>"
     "<b style='color:#238b45'>x<sub>i</sub></b> a stage's input kept as a checkpoint</span> · "
     "<span title='what a forward recording autograd (Fall) leaves for the backward of stage i: its output and the "
@@ -396,7 +396,7 @@ class Explorer:
         notebook cell (a re-run) or by a deleted cell. The explorer's state (budget, schedule, figures) stays readable.
         """
         self._throttled_budget.cancel()
-        for w in [self._link, *_tree(self._layout)]:
+        for w in [self._link, self._step_link, *_tree(self._layout)]:
             w.close()
         _OPEN[:] = [(e, c) for e, c in _OPEN if e is not self]
 
@@ -478,7 +478,7 @@ class Explorer:
         self._link = W.jslink((self._play, "value"), (self._step_slider, "value"))  # the browser moves the slider
         # One line, whatever the width: a label that wrapped by op name would make the figures jump during Play.
         # Its text for every step is in the page, linked to the player there: it moves with the step slider.
-        self._step_label = StepText(layout=W.Layout(height="28px", overflow="hidden"))
+        self._step_label = StepText(layout=W.Layout(height="28px", overflow="hidden", min_width="0"))
         self._step_link = W.jslink((self._play, "value"), (self._step_label, "step"))
         self._stats = W.HTML()
         self._path = W.Text(value="schedule.json", description="file", layout=W.Layout(width="300px"))
@@ -504,8 +504,7 @@ class Explorer:
             f"profile again on a quiet machine'>times ±{100 * spread:.0f}% between repeats</span>")
         # a chain profiled with compile=True says so: its times and sizes are those of the compiled stages
         compiled = " (compiled stages, torch.compile)" if self.chain.meta.get("compile") else ""
-        head = W.HTML(layout=W.Layout(overflow="hidden"))
-        head.add_class("hcv-oneline")
+        head = W.HTML(layout=W.Layout(min_width="0"))
         head.value = (f"<b>hchain_viz explorer</b> — {L} stages{compiled}, store-all "
                       f"{format_time(self.chain.store_all_time)} at {format_bytes(self.max_budget)}; least "
                       f"feasible budget {format_bytes(self.min_budget)}{noise}")
@@ -517,7 +516,7 @@ class Explorer:
             W.HBox([self._strategy_dd, self._overlay_dd], layout=W.Layout(**row)),
             W.HBox([self._play, self._step_slider], layout=W.Layout(**row)),
             self._step_label,
-            W.HTML(_GLOSSARY),
+            W.HTML(_GLOSSARY, layout=W.Layout(overflow="hidden", min_width="0")),
             *device_row,
             self._stats,
             self._board,
@@ -794,7 +793,7 @@ def _step_text(v: TraceView, k: int) -> str:
     if k == v.n:  # the whole step on screen: what it does, and how to go through it
         redo = f" ({tr.n_recomputed} forwards run again: red)" if tr.n_recomputed else ""
         return (f"The whole step: <b>{v.n} ops</b> in {format_time(tr.makespan)}{redo}; peak "
-                f"{format_bytes(tr.peak_memory)}. Press ▶ or drag <i>step</i> to go through it from the first op.")
+                f"{format_bytes(tr.peak_memory)}. ▶ plays it from the first op.")
     if k == 0:
         return (f"Before the first op: only the input x_0 is in memory ({format_bytes(tr.initial_memory)}). "
                 f"Op 1 is <b>{html.escape(str(v.labels[0]))}</b>.")
