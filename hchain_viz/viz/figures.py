@@ -141,7 +141,7 @@ def _stage_axis(view: TraceView, loss_label: str = "loss", lanes: bool = False) 
             top = L + 2
         return dict(tickmode="array", tickvals=[v for v, _ in marks], ticktext=[t for _, t in marks],
                     minor=dict(tickmode="array", tickvals=list(range(L + 1)), ticks="inside", ticklen=4),
-                    range=[-0.6, top + 0.6], title_text="layer", zeroline=False, showgrid=False)
+                    range=[-0.6, top + 0.6], title_text="layer", zeroline=False, showgrid=False, automargin=True)
     every = max(1, (L + 1) // _MAX_LABELS)
     vals = list(range(0, L + 1, every))
     if vals[-1] != L:
@@ -153,7 +153,7 @@ def _stage_axis(view: TraceView, loss_label: str = "loss", lanes: bool = False) 
         text += ["link → host", "link → device"]
         top = L + 2
     return dict(tickmode="array", tickvals=vals, ticktext=text, range=[-0.6, top + 0.6], title_text="stage",
-                zeroline=False, showgrid=False)
+                zeroline=False, showgrid=False, automargin=True)  # long stage names push the margin, not off-page
 
 
 def _estimate_note(view: TraceView) -> str:

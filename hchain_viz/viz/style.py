@@ -154,10 +154,18 @@ def in_abstract_units(fig) -> None:  # noqa: ANN001 (a plotly Figure)
         if ax.ticksuffix == "s":
             ax.ticksuffix = ""
             ax.tickformat = ""
-            ax.title.text = f"{ax.title.text or 'time'} (time units)" if name.startswith("y") else "time (units)"
+            if name.startswith("y"):
+                ax.title.text = f"{ax.title.text or 'time'} (time units)"
+            else:  # the legend sits right under the plot: move it below the axis title
+                ax.title.text = "time (units)"
+                lay.legend.y = -0.3
+                lay.margin.b = max(lay.margin.b or 0, 90)
         elif ax.tickmode == "array" and ax.ticktext and any(re.search(_BYTES_TEXT, str(t)) for t in ax.ticktext):
             ax.ticktext = [plain(v) for v in ax.tickvals]
             ax.title.text = f"{ax.title.text} (units)" if ax.title.text else "memory (units)"
+            if name.startswith("x"):
+                lay.legend.y = -0.3
+                lay.margin.b = max(lay.margin.b or 0, 90)
     if lay.title.text:
         lay.title.text = _units_text(lay.title.text)
     for ann in lay.annotations or ():
