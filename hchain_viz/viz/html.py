@@ -3,8 +3,8 @@
 ``to_html(chain_or_solution, path)`` solves (if given a Chain), precomputes the optimal schedule's timeline, memory
 curve and storage tape at ``n_budgets`` budgets (120 by default) from the least feasible one to store-all's peak, and
 writes a page that embeds plotly.js and that data. It opens at the budget halfway up that range, where the schedule
-already recomputes something. A little inline JavaScript swaps frames with ``Plotly.react`` when the slider moves, the play
-button sweeps the budgets, and a click on the frontier jumps to the nearest budget. Nothing is fetched from the
+already recomputes something. A little inline JavaScript swaps frames with ``Plotly.react`` when the slider moves, the
+play button sweeps the budgets, and a click on the frontier jumps to the nearest budget. Nothing is fetched from the
 network: no CDN, no MathJax, no fonts — the file works from a USB stick.
 
 The figures are the very builders of :mod:`hchain_viz.viz.figures`, so the page shows what the notebook explorer shows.

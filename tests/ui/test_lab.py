@@ -107,7 +107,8 @@ def test_run_all_at_1280_with_the_file_browser_open(nb, app_timeline, assets_dir
     # the step label is one line high, whatever it says
     one_line = nb.page.evaluate("""() => { const el = document.querySelector('.hcv-steptext');
                                            return getComputedStyle(el).whiteSpace === 'nowrap' &&
-                                                  el.scrollHeight <= el.clientHeight + 1 && el.innerText.length > 20; }""")
+                                                  el.scrollHeight <= el.clientHeight + 1 &&
+                                                  el.innerText.length > 20; }""")
     assert one_line
     # the profile cell's bar became text: the output holds no widget
     outputs = nb.page.evaluate("""() => window.jupyterapp.shell.currentWidget.content.model.cells.get(0)
