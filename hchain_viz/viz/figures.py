@@ -525,8 +525,8 @@ def _beyond_axes_trace(data: FrontierData) -> dict:
                            "triangle-left" if bb < x_lo else "triangle-down")
             colors.append(style.strategy_color(name, j))
             text.append(f"{name}: {format_bytes(bb)}, {format_time(tt)} (beyond the axes)")
-    return dict(type="scatter", mode="markers", name="beyond the axes ▲", x=xs, y=ys, text=text, hoverinfo="text",
-                cliponaxis=False, showlegend=bool(xs),
+    return dict(type="scatter", mode="markers", name="beyond the axes", x=xs, y=ys, text=text, hoverinfo="text",
+                cliponaxis=False, showlegend=False,  # a triangle on the edge says it; its hover names the point
                 marker=dict(symbol=symbols, color=colors, size=11, line=dict(width=1, color="#222")))
 
 
@@ -558,8 +558,8 @@ def frontier_layout(data: FrontierData, title: str | None = None) -> dict:
         yaxis=dict(title_text="makespan", tickformat="~s", ticksuffix="s", range=list(data.y_range)),
         hovermode="x",  # a click anywhere picks the nearest budget: the explorer jumps there
         # a compact legend: at 420 px the default one took a third of the figure
-        legend=dict(orientation="h", yanchor="top", y=-0.1, xanchor="left", x=0.0, font=dict(size=10),
-                    itemwidth=30, tracegroupgap=0, entrywidth=0),
+        legend=dict(orientation="h", yanchor="top", y=-0.1, xanchor="left", x=0.0, font=dict(size=9),
+                    itemwidth=30, tracegroupgap=0),
         shapes=[dict(type="rect", xref="x", yref="paper", x0=x_lo, x1=data.min_budget, y0=0, y1=1,
                      fillcolor=style.INFEASIBLE_FILL, line_width=0, layer="below")],
         annotations=[dict(x=(x_lo + data.min_budget) / 2, y=0.5, xref="x", yref="paper", text="infeasible",
