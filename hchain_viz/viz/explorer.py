@@ -74,6 +74,9 @@ _GLOSSARY = (
     "<b style='color:#e6550d'>δ<sub>i</sub></b> the gradient flowing back into stage i</span> · "
     "<span title='forwards of a stage that already ran: what a schedule pays for the memory it saves'>"
     "<b style='color:#d62728'>red bars</b> forwards run again</span></div>")
+# The frontier and the memory figure share a row: half the width, so taller than a figure of its own, leaving the
+# frontier's legend (two or three short rows at 420 px) room below a plot of readable height.
+_PAIR_HEIGHT = 380
 _CACHE_SIZE = 64  # (strategy, budget) -> view; a slider dragged back and forth hits it
 # The statistics table: numbers right-aligned under right-aligned heads, names left; one line kept for a note.
 _STATS_STYLE = ("<style>.hcv-stats{border-collapse:collapse;font-variant-numeric:tabular-nums}"
@@ -532,7 +535,7 @@ class Explorer:
             "frontier": go.Figure(data=self._frontier_traces(F.frontier_traces(fd, self._budget, self._unit)),
                                   layout=self._frontier_layout()),
             "memory": go.Figure(data=F.memory_traces(self._view, self._budget, None, None, self._unit),
-                                layout=F.memory_layout(self._view, self._budget)),
+                                layout=dict(F.memory_layout(self._view, self._budget), height=_PAIR_HEIGHT)),
             "timeline": go.Figure(data=F.timeline_traces(self._view, None, self._unit),
                                   layout=F.timeline_layout(self._view)),
             "tape": go.Figure(data=F.tape_traces(self._view, None, self._unit), layout=F.tape_layout(self._view)),
@@ -558,6 +561,7 @@ class Explorer:
         """The frontier's layout; on the device axis: in device bytes from 0, the fixed part a band, the device and
         its usable part lines."""
         lay = F.frontier_layout(self._frontier)
+        lay["height"] = _PAIR_HEIGHT
         off = self._offset
         if self.chain.fixed is None or (not off and self._device is None):
             return lay
