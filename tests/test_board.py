@@ -63,3 +63,14 @@ def test_sync_sends_only_changed_figures_and_clicks_reach_their_callbacks():
     with pytest.raises(ValueError, match="does not have"):
         FigureBoard({"a": a}, rows=[["a", "c"]])
     board.close()
+
+
+def test_step_text_holds_one_line_per_step_for_the_page():
+    from hchain_viz.viz.board import _TEXT_ESM, StepText
+
+    t = StepText(texts=["before", "after op 1"], step=1)
+    assert t.trait_metadata("texts", "sync") and t.trait_metadata("step", "sync")  # the page reads both
+    assert "texts[k]" in _TEXT_ESM and 'model.on("change:step"' in _TEXT_ESM
+    # the page-wide PageUp/PageDown handler doubles only real key presses on an explorer's budget handle
+    assert ".hcv-budget .noUi-handle" in _TEXT_ESM and "ev.isTrusted" in _TEXT_ESM
+    t.close()

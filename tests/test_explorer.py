@@ -106,7 +106,8 @@ def test_the_header_says_how_noisy_the_times_are(chain, solution):
 
     assert "times ±" not in Explorer(chain, solution=solution, baselines=False).widget.children[0].value
     noisy = dataclasses.replace(chain, meta={"time_spread": {"fwd": [0.18] * 8, "bwd": [0.18] * 8}})
-    assert "(times ±18%)" in Explorer(noisy, baselines=False).widget.children[0].value
+    head = Explorer(noisy, baselines=False).widget.children[0]
+    assert "times ±18% between repeats" in head.value  # one phrase in the header, not a warning box
 
 
 def test_infeasible_budget_is_refused_and_nothing_changes(ex):
@@ -169,9 +170,10 @@ def test_step_moves_the_cursor_and_reveals_memory(ex, solution):
         faint = sum(int(np.sum(np.asarray(tr.marker.opacity) < 1)) for tr in figs["timeline"].data)
         assert faint == n - k
         assert ex._step_slider.value == k
-    assert f"{n} / {n}" in ex._step_label.value
+    label = ex._step_label
+    assert label.step == n and len(label.texts) == n + 1 and label.texts[n].startswith("The whole step:")
     ex._step_slider.value = 3  # what the Play widget drives, through jslink
-    assert ex.step == 3
+    assert ex.step == 3 and label.step == 3
     with pytest.raises(HChainError, match="step must be"):
         ex.step = n + 1
 
@@ -323,7 +325,7 @@ def _alive(ex):
     """The explorer's widgets still open in the kernel (a closed widget has no comm)."""
     from hchain_viz.viz.explorer import _tree
 
-    return [w for w in [ex._link, *_tree(ex.widget)] if w.comm is not None]
+    return [w for w in [ex._link, ex._step_link, *_tree(ex.widget)] if w.comm is not None]
 
 
 def test_close_releases_every_widget(chain, solution):
@@ -400,3 +402,32 @@ def test_explorer_shows_an_offload_solution():
     assert seen
     names = [t.name for t in ex.figures["frontier"].data]
     assert "optimal, remat only" in names
+
+
+def test_the_status_line_speaks_plain_words_from_the_first_op(ex, solution):
+    ex.budget = low_budget(solution)
+    texts, ops = ex._step_label.texts, ex.schedule.ops
+    assert texts[0].startswith("Before the first op: only the input x_0 is in memory")
+    assert texts[1].startswith("Op 1 of ") and "in memory after it" in texts[1]
+    kinds = {"Fck": "stays as a checkpoint", "Fn": "is dropped", "Fall": "stays for its backward",
+             "Loss": "the first gradient", "B": "is handed back"}
+    for k, op in enumerate(ops[:-1], 1):
+        assert kinds[op.kind] in texts[k], (k, op, texts[k])
+    # after the last op (where the explorer opens and a replay ends): the whole step, and how to go through it
+    assert texts[-1].startswith(f"The whole step: <b>{len(ops)} ops</b>") and "plays it from the first op" in texts[-1]
+    again = [k for k, e in enumerate(ex.trace.events[:-1], 1) if e.recompute]
+    assert again and all("runs again" in texts[k] for k in again)
+    # the player and the label are linked in the page, so that the line moves with the step slider during Play
+    assert (ex._step_link.source[0], ex._step_link.target[0]) == (ex._play, ex._step_label)
+
+
+def test_keyboard_steps_are_one_percent_of_the_range(ex, solution):
+    lo, hi = ex._budget_slider.min, ex._budget_slider.max
+    assert ex._budget_slider.step == max(1, (hi - lo) // 100)
+    assert "hcv-budget" in ex._budget_slider._dom_classes  # the page's PageUp/PageDown handler finds it by this
+
+
+def test_a_glossary_explains_x_xbar_and_delta(ex):
+    text = " ".join(getattr(w, "value", "") for w in ex.widget.children if hasattr(w, "value"))
+    for term in ("x<sub>i</sub>", "x̄<sub>i+1</sub>", "δ<sub>i</sub>", "forwards run again"):
+        assert term in text

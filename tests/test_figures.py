@@ -398,3 +398,47 @@ def test_frontier_of_an_offload_solution_shows_both_curves():
     # the remat+offload curve is never above the remat-only one
     for b, t in zip(main.x, main.y):
         assert t <= sol.remat.makespan(int(b)) * (1 + 1e-12)
+
+
+def test_teaching_chains_are_drawn_in_units_not_seconds_and_bytes():
+    from hchain_viz import course
+
+    chain = course.abstract(hcv.Chain.homogeneous(6, fwd_time=1.0, bwd_time=2.0, x=1, xbar=3))
+    sol = hcv.solve(chain, max_budget=40, slots=40)
+    trace = hcv.simulate(chain, sol.schedule(10))
+    figs = [F.timeline(trace), F.memory_curve(trace, budget=10), F.storage_tape(trace),
+            F.frontier(sol, budget=10)]
+    for fig in figs:
+        text = fig.to_json()
+        assert " B" not in fig.layout.title.text and not fig.layout.title.text.endswith(" s")
+        assert "KiB" not in text and '"ticksuffix":"s"' not in text.replace(" ", "")
+    assert figs[0].layout.title.text.endswith("time units")  # "... 23 ops, 30 time units"
+    assert "peak 10 units of 10 units budget" in figs[1].layout.title.text
+    assert list(figs[1].layout.yaxis.ticktext) == [f"{v:.4g}" for v in figs[1].layout.yaxis.tickvals]
+    assert figs[3].layout.yaxis.title.text == "makespan (time units)"
+    # a measured chain keeps its seconds and bytes
+    plain = F.timeline(hcv.simulate(hcv.Chain.homogeneous(6), strategies.store_all(hcv.Chain.homogeneous(6))))
+    assert plain.layout.xaxis.ticksuffix == "s"
+
+
+def test_frontier_marks_baseline_points_beyond_its_axes_on_the_edge():
+    chain = hcv.Chain.random(12, seed=3)
+    fig = F.frontier(hcv.solve(chain))
+    beyond = next(t for t in fig.data if t.name == "beyond the axes")
+    (x_lo, x_hi), (y_lo, y_hi) = fig.layout.xaxis.range, fig.layout.yaxis.range
+    far = hcv.simulate(chain, strategies.recompute_all(chain))
+    assert far.makespan > y_hi  # recompute-all's time is off the chart here ...
+    k = next(k for k, s in enumerate(beyond.text) if s.startswith("recompute_all"))
+    assert beyond.y[k] == y_hi and beyond.marker.symbol[k] == "triangle-up"  # ... and drawn on the top edge
+    assert hcv.format_time(far.makespan) in beyond.text[k]
+    assert all(x_lo <= x <= x_hi and y_lo <= y <= y_hi for x, y in zip(beyond.x, beyond.y))
+    # a point inside the axes is not repeated there
+    inside = sum(1 for t in fig.data[1:] if t.name not in ("beyond the axes", "budget", "current", "overhead axis")
+                 for x, y in zip(t.x, t.y) if x_lo <= x <= x_hi and y_lo <= y <= y_hi)
+    assert inside > 0 and len(beyond.x) < inside
+
+
+def test_memory_figure_leaves_no_zero_byte_label_at_the_origin():
+    chain = hcv.Chain.random(6, seed=1)
+    fig = F.memory_curve(hcv.simulate(chain, strategies.store_all(chain)))
+    assert 0 not in list(fig.layout.yaxis.tickvals) and "0 B" not in list(fig.layout.yaxis.ticktext)

@@ -11,6 +11,7 @@ import pytest
 import hchain_viz as hcv
 from hchain_viz.errors import HChainError
 from hchain_viz.viz.html import to_html
+from hchain_viz.viz.trace_view import TraceView
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,8 @@ def test_frames_hold_the_simulated_schedule_at_their_budget(page, solution):
         assert budget_line["y"] == [f["budget"], f["budget"]]
         assert f["frontier"][0]["x"] == [f["budget"], f["budget"]]
         assert f"{trace.n_recomputed} recomputed" in f["stats"]
+        held = sum(len(tr["y"]) for tr in f["tape"]["data"] if tr["name"] != "on host")
+        assert held == len(TraceView.of(trace).item_kind)  # the storage tape: every held value
     frontier = data["base"]["frontier"]["data"]
     assert frontier[0]["name"] == "optimal"
     assert frontier[data["frontier_budget_index"]]["name"] == "budget"
@@ -85,6 +88,21 @@ def test_accepts_a_chain_and_checks_its_arguments(chain, tmp_path):
     with pytest.raises(HChainError, match="n_budgets"):
         to_html(chain, tmp_path / "bad.html", n_budgets=0)
     assert hcv.to_html is to_html  # the lazy public name
+
+
+def test_opens_at_a_mid_budget_and_offers_over_a_hundred_budgets(solution, tmp_path):
+    path = to_html(solution, tmp_path / "default.html")
+    text = open(path, encoding="utf-8").read()
+    data = payload(text)
+    frames = data["frames"]
+    assert len(frames) >= 100
+    start = data["start"]
+    assert start == (len(frames) - 1) // 2 and f'value="{start}"' in text
+    mid = frames[start]["budget"]
+    assert solution.min_budget < mid < solution.store_all_peak
+    assert hcv.simulate(solution.chain, solution.schedule(mid)).n_recomputed > 0  # not store-all
+    assert data["base"]["tape"]["layout"]["title"]["text"].startswith("Storage tape")
+    assert '<div id="tape">' in text and "x̄: everything a stage keeps" in text
 
 
 # The browser test of the page (slider, play, no network) lives in tests/ui/test_standalone_html.py.

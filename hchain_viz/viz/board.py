@@ -228,3 +228,41 @@ def _encode(v: Any) -> Any:
     if isinstance(v, np.generic):
         return v.item()
     raise TypeError(f"cannot encode {type(v).__name__}")
+
+
+_TEXT_ESM = r"""
+// PageUp / PageDown on an explorer's budget slider move it 10% of its range: ipywidgets' slider (noUiSlider) moves
+// 5 steps of 1% per page key, so each real page key is sent once more. Registered once per page.
+if (!globalThis.__hchain_viz_page_keys__) {
+  globalThis.__hchain_viz_page_keys__ = true;
+  document.addEventListener("keydown", ev => {
+    if (!ev.isTrusted || (ev.key !== "PageUp" && ev.key !== "PageDown")) return;
+    const handle = ev.target && ev.target.closest && ev.target.closest(".hcv-budget .noUi-handle");
+    if (handle) handle.dispatchEvent(new KeyboardEvent("keydown", {key: ev.key, bubbles: true, cancelable: true}));
+  }, true);
+}
+
+function render({ model, el }) {
+  el.classList.add("hcv-oneline", "hcv-steptext");
+  const show = () => {
+    const texts = model.get("texts"), k = Math.max(0, Math.min(model.get("step"), texts.length - 1));
+    el.innerHTML = texts.length ? texts[k] : "";
+  };
+  model.on("change:step", show);
+  model.on("change:texts", show);
+  show();
+}
+
+export default { render };
+"""
+
+
+class StepText(anywidget.AnyWidget):
+    """One line of text per step, shown in the browser for the current ``step``: linked to a Play widget in the page
+    (``jslink``), it changes in the same frame as the step slider, however busy the kernel is. ``texts`` are HTML
+    (escape user text). Its module also makes PageUp/PageDown move an explorer's budget slider 10% of its range."""
+
+    _esm = _TEXT_ESM
+    _css = _CSS
+    texts = traitlets.List(traitlets.Unicode()).tag(sync=True)  # texts[k]: what to say after k ops
+    step = traitlets.Int(0).tag(sync=True)

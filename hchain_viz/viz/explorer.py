@@ -50,7 +50,7 @@ try:
     import plotly.graph_objects as go
     from plotly.basedatatypes import Undefined as _UNDEFINED  # "leave this property as it is" in plotly_update
 
-    from .board import FigureBoard
+    from .board import FigureBoard, StepText
 except ImportError as e:  # pragma: no cover - all three are hard dependencies of the package
     raise DependencyError("the explorer needs ipywidgets, plotly and anywidget: "
                           "`pip install ipywidgets plotly anywidget`") from e
@@ -61,6 +61,22 @@ OPTIMAL = "optimal"
 # What a change of budget, strategy or step may alter; everything else (colours, hover templates, modes) is set once
 # when the figures are built. Fewer keys per update is most of what keeps a budget change fast.
 _DYNAMIC_DATA = frozenset(("x", "y", "base", "customdata", "text", "marker.opacity", "name", "showlegend"))
+# Keyboard: the budget slider's arrow keys move it 1% of its range (PageUp/PageDown 10%: see board.StepText).
+_KEY_STEPS = 100
+# What x, x̄ and δ are, under the controls (hover a term for more).
+_GLOSSARY = (
+    "<div class='hcv-glossary' style='font-size:90%;color:#444;white-space:normal;line-height:1.4'>"
+    "<span title='the input of stage i, kept by a forward without autograd (Fck) until its backward: a checkpoint'>"
+    "<b style='color:#238b45'>x<sub>i</sub></b> a stage's input kept as a checkpoint</span> · "
+    "<span title='what a forward recording autograd (Fall) leaves for the backward of stage i: its output and the "
+    "tensors it saved'><b style='color:#3182bd'>x̄<sub>i+1</sub></b> everything stage i keeps for its backward</span> · "
+    "<span title='the gradient a backward (B) hands to the stage before it; it has the size of x_i'>"
+    "<b style='color:#e6550d'>δ<sub>i</sub></b> the gradient flowing back into stage i</span> · "
+    "<span title='forwards of a stage that already ran: what a schedule pays for the memory it saves'>"
+    "<b style='color:#d62728'>red bars</b> forwards run again</span></div>")
+# The frontier and the memory figure share a row: half the width, so taller than a figure of its own, leaving the
+# frontier's legend (two or three short rows at 420 px) room below a plot of readable height.
+_PAIR_HEIGHT = 380
 _CACHE_SIZE = 64  # (strategy, budget) -> view; a slider dragged back and forth hits it
 # The statistics table: numbers right-aligned under right-aligned heads, names left; one line kept for a note.
 _STATS_STYLE = ("<style>.hcv-stats{border-collapse:collapse;font-variant-numeric:tabular-nums}"
@@ -383,7 +399,7 @@ class Explorer:
         notebook cell (a re-run) or by a deleted cell. The explorer's state (budget, schedule, figures) stays readable.
         """
         self._throttled_budget.cancel()
-        for w in [self._link, *_tree(self._layout)]:
+        for w in [self._link, self._step_link, *_tree(self._layout)]:
             w.close()
         _OPEN[:] = [(e, c) for e, c in _OPEN if e is not self]
 
@@ -449,8 +465,9 @@ class Explorer:
         # Widths flex with the output area: rows wrap instead of scrolling sideways when it is narrow.
         grow = W.Layout(flex="1 1 240px", min_width="160px", max_width="560px")
         self._budget_slider = W.IntSlider(
-            value=min(self._budget, hi), min=lo, max=max(hi, lo + 1), step=max(1, (hi - lo) // 1000),
+            value=min(self._budget, hi), min=lo, max=max(hi, lo + 1), step=max(1, (hi - lo) // _KEY_STEPS),
             description="budget", readout=False, continuous_update=True, layout=grow)
+        self._budget_slider.add_class("hcv-budget")
         self._budget_label = W.HTML(layout=W.Layout(flex="0 0 auto"))
         self._strategy_dd = W.Dropdown(options=self._strategies, value=self._strategy, description="strategy",
                                        layout=W.Layout(width="230px"))
@@ -463,8 +480,9 @@ class Explorer:
                                         continuous_update=True, layout=grow)
         self._link = W.jslink((self._play, "value"), (self._step_slider, "value"))  # the browser moves the slider
         # One line, whatever the width: a label that wrapped by op name would make the figures jump during Play.
-        self._step_label = W.HTML(layout=W.Layout(height="28px", overflow="hidden"))
-        self._step_label.add_class("hcv-oneline")
+        # Its text for every step is in the page, linked to the player there: it moves with the step slider.
+        self._step_label = StepText(layout=W.Layout(height="28px", overflow="hidden", min_width="0"))
+        self._step_link = W.jslink((self._play, "value"), (self._step_label, "step"))
         self._stats = W.HTML()
         self._path = W.Text(value="schedule.json", description="file", layout=W.Layout(width="300px"))
         self._save = W.Button(description="Save schedule", icon="download")
@@ -484,13 +502,15 @@ class Explorer:
 
         L = self.chain.length
         spread = self.chain.time_spread
-        noise = "" if spread is None else (f" <span title='how much the profiled times varied across repeats'>"
-                                           f"(times ±{100 * spread:.0f}%)</span>")
+        noise = "" if spread is None else (
+            f" · <span title='the profiled times varied this much between repeats: predicted times are as uncertain; "
+            f"profile again on a quiet machine'>times ±{100 * spread:.0f}% between repeats</span>")
         # a chain profiled with compile=True says so: its times and sizes are those of the compiled stages
         compiled = " (compiled stages, torch.compile)" if self.chain.meta.get("compile") else ""
-        head = W.HTML(f"<b>hchain_viz explorer</b> — {L} stages{compiled}, store-all "
-                      f"{format_time(self.chain.store_all_time)}{noise} at {format_bytes(self.max_budget)}; least "
-                      f"feasible budget {format_bytes(self.min_budget)}")
+        head = W.HTML(layout=W.Layout(min_width="0"))
+        head.value = (f"<b>hchain_viz explorer</b> — {L} stages{compiled}, store-all "
+                      f"{format_time(self.chain.store_all_time)} at {format_bytes(self.max_budget)}; least "
+                      f"feasible budget {format_bytes(self.min_budget)}{noise}")
         self._head = head
         row = dict(flex_flow="row wrap", align_items="center", width="100%")
         self._layout = W.VBox([
@@ -499,6 +519,7 @@ class Explorer:
             W.HBox([self._strategy_dd, self._overlay_dd], layout=W.Layout(**row)),
             W.HBox([self._play, self._step_slider], layout=W.Layout(**row)),
             self._step_label,
+            W.HTML(_GLOSSARY, layout=W.Layout(overflow="hidden", min_width="0")),
             *device_row,
             self._stats,
             self._board,
@@ -514,14 +535,15 @@ class Explorer:
             "frontier": go.Figure(data=self._frontier_traces(F.frontier_traces(fd, self._budget, self._unit)),
                                   layout=self._frontier_layout()),
             "memory": go.Figure(data=F.memory_traces(self._view, self._budget, None, None, self._unit),
-                                layout=F.memory_layout(self._view, self._budget)),
+                                layout=dict(F.memory_layout(self._view, self._budget), height=_PAIR_HEIGHT)),
             "timeline": go.Figure(data=F.timeline_traces(self._view, None, self._unit),
                                   layout=F.timeline_layout(self._view)),
             "tape": go.Figure(data=F.tape_traces(self._view, None, self._unit), layout=F.tape_layout(self._view)),
         }
         if self._throughput_fig is not None:
             figs["throughput"] = self._throughput_fig
-        self._n_frontier_curves = 1 + len(fd.baselines)  # optimal + baselines; the budget marks come after them
+        # optimal, baselines, the points beyond the axes; the budget marks come after them
+        self._n_frontier_curves = 2 + len(fd.baselines)
         return figs
 
     def _rows(self) -> list[list[str]]:
@@ -539,6 +561,7 @@ class Explorer:
         """The frontier's layout; on the device axis: in device bytes from 0, the fixed part a band, the device and
         its usable part lines."""
         lay = F.frontier_layout(self._frontier)
+        lay["height"] = _PAIR_HEIGHT
         off = self._offset
         if self.chain.fixed is None or (not off and self._device is None):
             return lay
@@ -584,7 +607,7 @@ class Explorer:
             self._budget_slider.min = min(self._budget_slider.min, lo)  # keep min <= max while moving both
             self._budget_slider.max = max(hi, lo + 1)
             self._budget_slider.min = lo
-            self._budget_slider.step = max(1, (hi - lo) // 1000)
+            self._budget_slider.step = max(1, (hi - lo) // _KEY_STEPS)
             self._budget_slider.description = "device" if off else "budget"
             if self._device_widgets:
                 self._axis_tb.value = self._axis
@@ -727,14 +750,12 @@ class Explorer:
         _push(self._figs["tape"], F.tape_traces(v, step, u), F.tape_layout(v, step))
 
     def _draw_step_label(self) -> None:
-        v, k = self._view, self._step
-        if k == 0:
-            text = f"0 / {v.n}: nothing run yet, {format_bytes(v.trace.initial_memory)} resident (x_0)"
-        else:
-            e = v.trace.events[k - 1]
-            text = (f"{k} / {v.n}: <b>{html.escape(str(v.labels[k - 1]))}</b> at {format_time(e.end)}, "
-                    f"{format_bytes(e.mem_after)} resident (peak during it {format_bytes(e.mem_peak)})")
-        self._step_label.value = text
+        """Every step's status line, sent to the page once per schedule; the page shows the one at the player's step."""
+        v = self._view
+        texts = [_step_text(v, k) for k in range(v.n + 1)]
+        if self._step_label.texts != texts:
+            self._step_label.texts = texts
+        self._step_label.step = self._step
 
     def _draw_stats(self) -> None:
         rows = [(self._strategy, self._view)]
@@ -757,6 +778,38 @@ class Explorer:
             + "<th>recomputed forwards</th><th>ops</th></tr>"
             f"{cells}</table><div class='hcv-note'>{html.escape(note) or '&nbsp;'}</div>")
         self._draw_step_label()
+
+
+_OP_WORDS = {
+    "Fck": "forward of {s} without autograd; its input x_{i} stays as a checkpoint",
+    "Fn": "forward of {s} without autograd; its input x_{i} is dropped",
+    "Fall": "forward of {s} recording autograd; x̄_{j} stays for its backward",
+    "Loss": "the loss: the first gradient δ_{i} appears",
+    "B": "backward of {s}: x̄_{j} is freed, the gradient δ_{i} is handed back",
+    "Off": "the copy of {s}'s value to the host starts",
+    "Pre": "the copy of {s}'s value back to the device starts",
+}
+
+
+def _step_text(v: TraceView, k: int) -> str:
+    """The status line after ``k`` ops of ``v``, in plain words (HTML, user text escaped)."""
+    tr = v.trace
+    if k == v.n:  # the whole step on screen: what it does, and how to go through it
+        redo = f" ({tr.n_recomputed} forwards run again: red)" if tr.n_recomputed else ""
+        return (f"The whole step: <b>{v.n} ops</b> in {format_time(tr.makespan)}{redo}; peak "
+                f"{format_bytes(tr.peak_memory)}. ▶ plays it from the first op.")
+    if k == 0:
+        return (f"Before the first op: only the input x_0 is in memory ({format_bytes(tr.initial_memory)}). "
+                f"Op 1 is <b>{html.escape(str(v.labels[0]))}</b>.")
+    e = tr.events[k - 1]
+    op, names = e.op, tr.chain.names
+    i = op.stage
+    stage = f"stage {i}" + (f" ({names[i]})" if i < len(names) and names[i] else "")
+    words = _OP_WORDS.get(op.kind, "{s}").format(s=html.escape(stage), i=i, j=i + 1)
+    if e.recompute:
+        words = "runs again: " + words
+    return (f"Op {k} of {v.n}: <b>{words}</b> · {format_bytes(e.mem_after)} in memory after it "
+            f"(peak {format_bytes(e.mem_peak)} during it) · {format_time(e.end)}")
 
 
 def _push(fig: go.Figure, traces: list[dict], layout: dict | None = None, first: int = 0) -> None:
@@ -798,7 +851,19 @@ def explore(model: Any, sample_input: Any, loss_fn: Any = None, **profile_kwargs
     ``loss_fn`` and ``profile_kwargs`` (``device``, ``warmup``, ``repeats``, ``progress``) go to the profiler; the
     explorer keeps ``model`` for :meth:`Explorer.wrap`.
     """
+    import warnings
+
+    from ..errors import TimingWarning
     from ..runtime.profile import profile
 
-    chain = profile(model, sample_input, loss_fn, **profile_kwargs)
-    return Explorer(chain, model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chain = profile(model, sample_input, loss_fn, **profile_kwargs)
+    timing = [w for w in caught if issubclass(w.category, TimingWarning)]
+    for w in caught:  # every other warning as it came
+        if w not in timing:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    ex = Explorer(chain, model)
+    if timing and chain.time_spread is None:  # the head shows the spread when the chain has it; else one line
+        ex._head.value += f" · <span title='{html.escape(str(timing[0].message))}'>times varied between repeats</span>"
+    return ex

@@ -59,6 +59,15 @@ def _cursor_shapes(view: TraceView, step: int | None) -> list[dict]:
                  line=dict(color=style.CURSOR_COLOR, width=2))]
 
 
+def _units(fig: go.Figure, source: Any) -> go.Figure:
+    """``fig`` relabelled in plain units when its chain is a teaching chain (``hchain_viz.course.abstract``)."""
+    chain = source.trace.chain if isinstance(source, TraceView) else getattr(source, "chain", None)
+    meta = getattr(chain, "meta", None)
+    if isinstance(meta, dict) and meta.get("units") == "abstract":
+        style.in_abstract_units(fig)
+    return fig
+
+
 def _check_step(view: TraceView, step: int | None) -> int | None:
     if step is None:
         return None
@@ -132,7 +141,7 @@ def _stage_axis(view: TraceView, loss_label: str = "loss", lanes: bool = False) 
             top = L + 2
         return dict(tickmode="array", tickvals=[v for v, _ in marks], ticktext=[t for _, t in marks],
                     minor=dict(tickmode="array", tickvals=list(range(L + 1)), ticks="inside", ticklen=4),
-                    range=[-0.6, top + 0.6], title_text="layer", zeroline=False, showgrid=False)
+                    range=[-0.6, top + 0.6], title_text="layer", zeroline=False, showgrid=False, automargin=True)
     every = max(1, (L + 1) // _MAX_LABELS)
     vals = list(range(0, L + 1, every))
     if vals[-1] != L:
@@ -144,7 +153,7 @@ def _stage_axis(view: TraceView, loss_label: str = "loss", lanes: bool = False) 
         text += ["link → host", "link → device"]
         top = L + 2
     return dict(tickmode="array", tickvals=vals, ticktext=text, range=[-0.6, top + 0.6], title_text="stage",
-                zeroline=False, showgrid=False)
+                zeroline=False, showgrid=False, automargin=True)  # long stage names push the margin, not off-page
 
 
 def _estimate_note(view: TraceView) -> str:
@@ -181,7 +190,7 @@ def timeline(trace: Trace, step: int | None = None) -> go.Figure:
     """Every op of ``trace`` as a bar over time on its stage's row; ``step`` draws a cursor after that many ops."""
     view = _view(trace)
     step = _check_step(view, step)
-    return go.Figure(data=timeline_traces(view, step), layout=timeline_layout(view, step))
+    return _units(go.Figure(data=timeline_traces(view, step), layout=timeline_layout(view, step)), view)
 
 
 # ====================================================================== memory curve
@@ -285,7 +294,12 @@ def memory_layout(view: TraceView, budget: int | None = None, step: int | None =
     name = view.trace.schedule.meta.get("strategy", "schedule")
     lay = style.base_layout(title or f"Memory ({name}): peak {format_bytes(view.peak)}"
                             + ("" if budget is None else f" of {format_bytes(budget)} budget"))
-    lay.update(yaxis=dict(style.byte_axis(0, top * 1.08), range=[0, top * 1.12]),
+    yaxis = style.byte_axis(0, top * 1.08)
+    # no tick label at 0: "0 B" would sit on the time axis' "0s" at the origin
+    keep = [k for k, v in enumerate(yaxis["tickvals"]) if v > 0] or list(range(len(yaxis["tickvals"])))
+    yaxis["tickvals"] = [yaxis["tickvals"][k] for k in keep]
+    yaxis["ticktext"] = [yaxis["ticktext"][k] for k in keep]
+    lay.update(yaxis=dict(yaxis, range=[0, top * 1.12]),
                xaxis=dict(style.TIME_AXIS, range=[0, t_end]), hovermode="closest",
                shapes=_cursor_shapes(view, step), annotations=[_peak_label(view, step, top)])
     return lay
@@ -310,7 +324,7 @@ def memory_curve(trace: Trace, budget: int | None = None, step: int | None = Non
     """
     view = _view(trace)
     step = _check_step(view, step)
-    return go.Figure(data=memory_traces(view, budget, step), layout=memory_layout(view, budget, step))
+    return _units(go.Figure(data=memory_traces(view, budget, step), layout=memory_layout(view, budget, step)), view)
 
 
 # ====================================================================== storage tape
@@ -384,7 +398,7 @@ def storage_tape(trace: Trace, step: int | None = None) -> go.Figure:
     """A stage × time grid of what each stage holds: nothing, a checkpoint x, a full x̄, the output or a gradient δ."""
     view = _view(trace)
     step = _check_step(view, step)
-    return go.Figure(data=tape_traces(view, step), layout=tape_layout(view, step))
+    return _units(go.Figure(data=tape_traces(view, step), layout=tape_layout(view, step)), view)
 
 
 # ====================================================================== frontier
@@ -487,11 +501,33 @@ def frontier_traces(data: FrontierData, budget: int | None = None, unit: tuple[s
                         customdata=np.column_stack([b / scale, over(t)]) if len(b) else np.zeros((0, 2)),
                         hovertemplate=hover, line=dict(width=1, dash="dot", color=style.strategy_color(name, j)),
                         marker=dict(size=7, color=style.strategy_color(name, j))))
+    out.append(_beyond_axes_trace(data))
     out += frontier_budget_traces(data, budget)
     y2 = over(np.asarray(data.y_range))
     out.append(dict(type="scatter", mode="markers", x=[data.x_range[0]] * 2, y=y2, yaxis="y2", showlegend=False,
                     hoverinfo="skip", marker=dict(opacity=0), name="overhead axis"))
     return out
+
+
+def _beyond_axes_trace(data: FrontierData) -> dict:
+    """Baseline points outside the axes' ranges (recompute-all's time far above the rest, a peak beyond store-all),
+    drawn as triangles on the edge they are beyond, in their strategy's colour; the hover text gives the real values.
+    Always one trace (maybe empty), so that the explorer's trace indices stay put."""
+    (x_lo, x_hi), (y_lo, y_hi) = data.x_range, data.y_range
+    xs, ys, symbols, colors, text = [], [], [], [], []
+    for j, (name, (b, t)) in enumerate(data.baselines.items()):
+        for bb, tt in zip(b.tolist(), t.tolist()):
+            if x_lo <= bb <= x_hi and y_lo <= tt <= y_hi:
+                continue
+            xs.append(min(max(bb, x_lo), x_hi))
+            ys.append(min(max(tt, y_lo), y_hi))
+            symbols.append("triangle-up" if tt > y_hi else "triangle-right" if bb > x_hi else
+                           "triangle-left" if bb < x_lo else "triangle-down")
+            colors.append(style.strategy_color(name, j))
+            text.append(f"{name}: {format_bytes(bb)}, {format_time(tt)} (beyond the axes)")
+    return dict(type="scatter", mode="markers", name="beyond the axes", x=xs, y=ys, text=text, hoverinfo="text",
+                cliponaxis=False, showlegend=False,  # a triangle on the edge says it; its hover names the point
+                marker=dict(symbol=symbols, color=colors, size=11, line=dict(width=1, color="#222")))
 
 
 def frontier_budget_traces(data: FrontierData, budget: int | None,
@@ -521,6 +557,9 @@ def frontier_layout(data: FrontierData, title: str | None = None) -> dict:
         xaxis=dict(style.byte_axis(x_lo, x_hi, ""), range=[x_lo, x_hi]),
         yaxis=dict(title_text="makespan", tickformat="~s", ticksuffix="s", range=list(data.y_range)),
         hovermode="x",  # a click anywhere picks the nearest budget: the explorer jumps there
+        # a compact legend: at 420 px the default one took a third of the figure
+        legend=dict(orientation="h", yanchor="top", y=-0.1, xanchor="left", x=0.0, font=dict(size=9),
+                    itemwidth=30, tracegroupgap=0),
         shapes=[dict(type="rect", xref="x", yref="paper", x0=x_lo, x1=data.min_budget, y0=0, y1=1,
                      fillcolor=style.INFEASIBLE_FILL, line_width=0, layer="below")],
         annotations=[dict(x=(x_lo + data.min_budget) / 2, y=0.5, xref="x", yref="paper", text="infeasible",
@@ -551,7 +590,8 @@ def frontier(solution: Any, strategies: Any = None, budget: int | None = None) -
             raise HChainError(f"frontier() needs a Solution from hcv.solve(chain), got {type(solution).__name__}")
     data = FrontierData.of(solution, strategies)
     name = "optimal + offload" if hasattr(solution, "remat") else "optimal"
-    return go.Figure(data=frontier_traces(data, budget, chain_name=name), layout=frontier_layout(data))
+    return _units(go.Figure(data=frontier_traces(data, budget, chain_name=name), layout=frontier_layout(data)),
+                  solution)
 
 
 # ---------------------------------------------------------------------------------------------- will it fit (§7)

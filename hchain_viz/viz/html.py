@@ -1,9 +1,10 @@
 """Offline export: one self-contained HTML file with a budget slider, a play button and the explorer's figures.
 
-``to_html(chain_or_solution, path)`` solves (if given a Chain), precomputes the optimal schedule's timeline and memory
-curve at ``n_budgets`` budgets from the least feasible one to store-all's peak, and writes a page that embeds
-plotly.js and that data. A little inline JavaScript swaps frames with ``Plotly.react`` when the slider moves, the play
-button sweeps the budgets, and a click on the frontier jumps to the nearest budget. Nothing is fetched from the
+``to_html(chain_or_solution, path)`` solves (if given a Chain), precomputes the optimal schedule's timeline, memory
+curve and storage tape at ``n_budgets`` budgets (120 by default) from the least feasible one to store-all's peak, and
+writes a page that embeds plotly.js and that data. It opens at the budget halfway up that range, where the schedule
+already recomputes something. A little inline JavaScript swaps frames with ``Plotly.react`` when the slider moves, the
+play button sweeps the budgets, and a click on the frontier jumps to the nearest budget. Nothing is fetched from the
 network: no CDN, no MathJax, no fonts — the file works from a USB stick.
 
 The figures are the very builders of :mod:`hchain_viz.viz.figures`, so the page shows what the notebook explorer shows.
@@ -30,7 +31,7 @@ __all__ = ["to_html"]
 _CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["sendDataToCloud"]}
 
 
-def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int = 16, strategies: Any = None,
+def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int = 120, strategies: Any = None,
             title: str | None = None) -> str:
     """Write the offline explorer page for ``chain_or_solution`` (a Chain, or a Solution from ``hcv.solve``) to
     ``path`` and return the path.
@@ -52,12 +53,15 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
     fd = F.FrontierData.of(solution, strategies)
     unit = style.byte_unit(hi)
     frames, first = [], None
-    for b in budgets:
+    start = (len(budgets) - 1) // 2  # the page opens halfway between the least feasible budget and store-all
+    for n, b in enumerate(budgets):
         view = TraceView.of(simulate(chain, solution.schedule(b)))
         tl_data, tl_lay = F.timeline_traces(view, None, unit), F.timeline_layout(view)
         mem_data, mem_lay = F.memory_traces(view, b, None, None, unit), F.memory_layout(view, b)
-        if first is None:
-            first = dict(timeline=dict(data=tl_data, layout=tl_lay), memory=dict(data=mem_data, layout=mem_lay))
+        tape_data, tape_lay = F.tape_traces(view, None, unit), F.tape_layout(view)
+        if n == start:
+            first = dict(timeline=dict(data=tl_data, layout=tl_lay), memory=dict(data=mem_data, layout=mem_lay),
+                         tape=dict(data=tape_data, layout=tape_lay))
         tr = view.trace
         frames.append(dict(
             budget=b,
@@ -67,12 +71,14 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
                    f"{len(tr.events)} ops"),
             timeline=dict(data=tl_data, layout={k: tl_lay[k] for k in F.DYNAMIC_LAYOUT if k in tl_lay}),
             memory=dict(data=mem_data, layout={k: mem_lay[k] for k in F.DYNAMIC_LAYOUT if k in mem_lay}),
+            tape=dict(data=tape_data, layout={k: tape_lay[k] for k in F.DYNAMIC_LAYOUT if k in tape_lay}),
             frontier=F.frontier_budget_traces(fd, b),
         ))
-    frontier_data = F.frontier_traces(fd, budgets[0], unit)
+    frontier_data = F.frontier_traces(fd, budgets[start], unit)
     payload = dict(
         frames=frames,
-        base=dict(timeline=first["timeline"], memory=first["memory"],
+        start=start,
+        base=dict(timeline=first["timeline"], memory=first["memory"], tape=first["tape"],
                   frontier=dict(data=frontier_data, layout=F.frontier_layout(fd))),
         frontier_budget_index=len(frontier_data) - 3,  # the budget line and point come just before the axis trace
         config=_CONFIG,
@@ -86,6 +92,7 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
         plotlyjs=_plotly_js(),
         data=_script_json(payload),
         n_last=len(frames) - 1,
+        start=start,
         script=_SCRIPT,
     )
     with open(path, "w", encoding="utf-8") as f:
@@ -138,12 +145,16 @@ _PAGE = """<!DOCTYPE html>
 <div class="controls">
   <button id="play" type="button">&#9654; Play</button>
   <label for="budget">budget</label>
-  <input id="budget" type="range" min="0" max="{n_last}" step="1" value="{n_last}">
+  <input id="budget" type="range" min="0" max="{n_last}" step="1" value="{start}"
+         title="arrow keys: the next budget; Home / End: the least budget / store-all">
   <b id="budget-label"></b>
 </div>
 <div id="stats"></div>
 <div class="row"><div id="frontier"></div><div id="memory"></div></div>
 <div id="timeline"></div>
+<div id="tape"></div>
+<div class="muted">x: a stage's input kept as a checkpoint · x̄: everything a stage keeps for its backward (its output
+and saved tensors) · δ: the gradient flowing back into a stage · red bars: forwards run again</div>
 <script type="application/json" id="hcv-data">{data}</script>
 <script type="text/javascript">{script}</script>
 </body>
@@ -170,6 +181,7 @@ _SCRIPT = """
     stats.innerHTML = f.stats;
     Plotly.react('timeline', f.timeline.data, merged(base.timeline.layout, f.timeline.layout), cfg);
     Plotly.react('memory', f.memory.data, merged(base.memory.layout, f.memory.layout), cfg);
+    Plotly.react('tape', f.tape.data, merged(base.tape.layout, f.tape.layout), cfg);
     Plotly.react('frontier', frontierData(f), base.frontier.layout, cfg);
   }
   function stop() { if (timer) { clearInterval(timer); timer = null; play.innerHTML = '&#9654; Play'; } }
@@ -182,7 +194,7 @@ _SCRIPT = """
       var i = +slider.value - 1;
       if (i < 0) { stop(); return; }
       slider.value = i; show(i);
-    }, 700);
+    }, 150);
   });
   show(+slider.value);
   document.getElementById('frontier').on('plotly_click', function (ev) {

@@ -130,3 +130,69 @@ def base_layout(title: str, height: int = 320) -> dict:
         legend=dict(orientation="h", yanchor="top", y=-0.08, xanchor="left", x=0.0),  # below: titles stay clear
         hoverlabel=dict(namelength=-1),
     )
+
+
+# ---------------------------------------------------------------------------------------------- abstract units
+_BYTES_TEXT = r"(-?\d[\d.]*(?:e[+-]?\d+)?) (?:B|KiB|MiB|GiB)\b"
+_SECONDS_TEXT = r"(-?\d[\d.]*(?:e[+-]?\d+)?) (?:s|ms|µs|ns)\b"
+
+
+def in_abstract_units(fig) -> None:  # noqa: ANN001 (a plotly Figure)
+    """Relabel ``fig`` for a teaching chain whose numbers are plain units (``hchain_viz.course.abstract``): time
+    axes lose their "s", memory ticks their "B", titles and hover texts say "units". The data are unchanged.
+
+    Memory ticks are rewritten from their positions (a byte formatter would print 12 as "12 B" and 2048 as "2 KiB").
+    """
+    import re
+
+    def plain(v: float) -> str:
+        return f"{v:.4g}"
+
+    lay = fig.layout
+    for name in [k for k in lay.to_plotly_json() if k.startswith(("xaxis", "yaxis"))]:
+        ax = lay[name]
+        if ax.ticksuffix == "s":
+            ax.ticksuffix = ""
+            ax.tickformat = ""
+            if name.startswith("y"):
+                ax.title.text = f"{ax.title.text or 'time'} (time units)"
+            else:  # the legend sits right under the plot: move it below the axis title
+                ax.title.text = "time (units)"
+                lay.legend.y = -0.3
+                lay.margin.b = max(lay.margin.b or 0, 90)
+        elif ax.tickmode == "array" and ax.ticktext and any(re.search(_BYTES_TEXT, str(t)) for t in ax.ticktext):
+            ax.ticktext = [plain(v) for v in ax.tickvals]
+            ax.title.text = f"{ax.title.text} (units)" if ax.title.text else "memory (units)"
+            if name.startswith("x"):
+                lay.legend.y = -0.3
+                lay.margin.b = max(lay.margin.b or 0, 90)
+    if lay.title.text:
+        lay.title.text = _units_text(lay.title.text)
+    for ann in lay.annotations or ():
+        if ann.text:
+            ann.text = _units_text(ann.text)
+    for tr in fig.data:
+        if getattr(tr, "hovertemplate", None):
+            tr.hovertemplate = (tr.hovertemplate.replace("}s", "} time units").replace(" B<", " units<")
+                                .replace(" B (", " units (").replace(" KiB", " units").replace(" MiB", " units"))
+        if getattr(tr, "name", None):
+            tr.name = _units_text(tr.name)
+        text = getattr(tr, "text", None)
+        if text is not None and not isinstance(text, str) and len(text) and isinstance(text[0], str):
+            tr.text = [_units_text(t) for t in text]
+
+
+def _units_text(s: str) -> str:
+    """"peak 12 B of 14 B budget, 56 s" → "peak 12 units of 14 units budget, 56 time units" (values re-read as
+    plain numbers: "1.5 KiB" is 1536 units)."""
+    import re
+
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "s": 1, "ms": 1e-3, "µs": 1e-6, "ns": 1e-9}
+
+    def b(m: re.Match) -> str:
+        return f"{float(m.group(1)) * scale[m.group(0).split()[-1]]:.4g} units"
+
+    def t(m: re.Match) -> str:
+        return f"{float(m.group(1)) * scale[m.group(0).split()[-1]]:.4g} time units"
+
+    return re.sub(_SECONDS_TEXT, t, re.sub(_BYTES_TEXT, b, s))

@@ -43,7 +43,7 @@ _STATE_JS = """() => {
   return {timeline_title: title(tl), memory_title: title(mem), cursor: cursor(tl), memory_cursor: cursor(mem),
           budget: value(sliders[0]), budget_label: label(sliders[0]),
           step: value(sliders[1]),
-          step_label: (document.querySelector('.hcv-oneline') || {innerText: ''}).innerText.trim()};
+          step_label: (document.querySelector('.hcv-steptext') || {innerText: ''}).innerText.trim()};
 }"""
 
 
@@ -170,7 +170,7 @@ def test_app_notebook_builds_the_chain_the_tests_expect(app_spec):
 def test_opens_at_the_middle_budget_with_its_schedule(app, app_solution, app_spec):
     lo, hi = app_solution.min_budget, app_solution.store_all_peak
     s = app.settle((lo + hi) // 2)  # the explorer opens halfway; its slider shows that to the nearest step
-    assert abs(s["budget"] - (lo + hi) // 2) <= (hi - lo) // 1000
+    assert abs(s["budget"] - (lo + hi) // 2) <= (hi - lo) // 100  # keyboard steps: 1% of the range
     assert s["timeline_title"].startswith("Timeline (optimal)")
     assert s["cursor"][1] is False  # no replay yet: the cursor is hidden
     # the explorer is as wide as it may be (its width= caps it), the timeline and tape fill it, the frontier and the
@@ -199,6 +199,13 @@ def test_keyboard_moves_the_budget_and_the_figures_follow(app, app_solution, app
     assert app.recomputed() == app_timeline.n_recomputed(low["budget"]) > 0
     assert low["timeline_title"] != high["timeline_title"] and low["memory_title"] != high["memory_title"]
     app.frames.append(app.shot())
+    # an arrow key moves the budget 1% of the range, PageUp 10%
+    step = max(1, (app_solution.store_all_peak - app_solution.min_budget) // 100)
+    right = app.press("ArrowRight")
+    assert right["budget"] == low["budget"] + step
+    page_up = app.press("PageUp")
+    assert page_up["budget"] == right["budget"] + 10 * step
+    assert app.press("PageDown")["budget"] == right["budget"]
     assert app.errors == []
 
 
@@ -225,8 +232,8 @@ def test_play_moves_the_cursor(app, app_solution, assets_dir):
     buttons.nth(0).click()  # Play; from the end it restarts at step 0
     # Sample the cursor up to five times, spread over the replay: each sample waits until the browser has advanced
     # the step and the kernel has redrawn both cursors past the last sample. A kernel lagging behind may jump
-    # straight to the end; then the replay is over ("n / n" in the step label) and sampling stops.
-    ended = f"s.step_label.startsWith('{n_ops} / {n_ops}:')"
+    # straight to the end; then the replay is over ("The whole step" in the step label) and sampling stops.
+    ended = "s.step_label.startsWith('The whole step')"
     positions = []
     for k in range(1, 6):
         app.page.wait_for_function(
@@ -234,7 +241,7 @@ def test_play_moves_the_cursor(app, app_solution, assets_dir):
                                       f"((s.cursor[0] > prev && s.step >= min_step) || {ended})"),
             arg=[positions[-1] if positions else -1.0, k * n_ops // 7], timeout=WAIT_MS)
         st = app.state()
-        assert st["cursor"][1] and re.match(rf"\d+ / {n_ops}: ", st["step_label"]), st
+        assert st["cursor"][1] and re.match(rf"(Op \d+ of {n_ops}: |The whole step)", st["step_label"]), st
         if positions and st["cursor"][0] <= positions[-1]:
             break  # the replay ended before this sample
         positions.append(st["cursor"][0])
