@@ -50,3 +50,17 @@ def test_transformers_bench_runs_on_a_tiny_nanogpt(capsys):
     assert [r[:2] for r in rows] == [["nanogpt", "module"], ["nanogpt", "sublayer"]]
     # the last column ends with the simulated gain over selective recomputation, which needs sub-layer stages
     assert rows[0][-1] == "n/a" and rows[1][-1].endswith("%")
+
+
+def test_demo_rows_never_show_optimal_behind_a_baseline():
+    """The demo's headline is the gain over the best baseline that fits, at equal memory; no row contradicts it."""
+    import hchain_viz as hcv
+    from hchain_viz import __main__ as cli
+
+    for seed in range(4):
+        chain = hcv.Chain.random(10, seed=seed)
+        rows, _, gains = cli._demo_comparison(chain, hcv.solve(chain, slots=120))
+        assert len(gains) == 3 and min(gains) >= 0
+        for row in rows:
+            pct = [float(c.rsplit("(", 1)[1].rstrip("%)")) for c in row[2:] if "(" in c]
+            assert pct and min(pct) >= 0, row
