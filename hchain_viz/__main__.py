@@ -158,6 +158,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if spread is not None:
         busy = " (a busy machine: profile again when it is quiet)" if spread > 0.10 else ""
         print(f"Timings varied by ±{100 * spread:.0f}% across {chain.meta.get('repeats')} repeats{busy}.")
+    if chain.tied:  # identical layers share one cost (DESIGN §10): say so, in one line
+        print(f"Timing: {chain.timing_note()}.")
     print("\nStep time at three budgets (in brackets: how much slower than optimal):")
     print_table(("budget", "optimal", *DEMO_BASELINES, "best baseline that fits"), rows, rule=True)
     for note in notes:
