@@ -708,3 +708,24 @@ def test_optimal_schedule_narrows_the_rounding_gap():
             assert one.meta["source"] in ("dp-refined", "dp") or one.meta["source"].startswith("baseline:")
             gained += tr.makespan < coarse.makespan(b) * (1 - 1e-9)
     assert gained > 0
+
+
+def test_solver_threads_leave_busy_cores_alone(monkeypatch):
+    """The default thread count is the free cores (a core busy elsewhere would stall OpenMP's barriers); an explicit
+    count is capped at Numba's; the table does not depend on either."""
+    import os
+
+    top = solver._kernels()["threads"]()
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(solver, "_busy_cores", lambda: 0)
+    assert solver.solver_threads() == max(1, min(top, cores))
+    monkeypatch.setattr(solver, "_busy_cores", lambda: cores)
+    assert solver.solver_threads() == 1
+    monkeypatch.setattr(solver, "_busy_cores", lambda: cores - 1)
+    assert solver.solver_threads() == 1
+    assert solver.solver_threads(1) == 1 and solver.solver_threads(10**6) == top
+    assert 0 <= solver._busy_cores() < 10**6  # reads /proc/stat here
+    chain = hcv.Chain.random(20, seed=5)
+    one, many = hcv.solve(chain, slots=200, threads=1), hcv.solve(chain, slots=200, threads=top)
+    assert np.array_equal(one._Cch, many._Cch) and np.array_equal(one._D0, many._D0)
+    assert solver._kernels()["threads"]() == top  # the thread count is restored after a solve

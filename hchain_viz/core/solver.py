@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -465,6 +467,41 @@ _FILL_LOCK = threading.Lock()
 PARALLEL_GUARDS: list[Callable[[], AbstractContextManager[Any]]] = []
 
 
+def _busy_cores() -> int:
+    """Cores other work is using now: runnable threads system-wide (``procs_running`` of ``/proc/stat``, an
+    instantaneous count, unlike the load average) less this one, the least of three looks a millisecond apart (a
+    thread of ours that is still spinning after the last parallel region counts once at most). 0 where unknown."""
+    least = None
+    try:
+        for k in range(3):
+            with open("/proc/stat", "rb") as f:
+                for line in f:
+                    if line.startswith(b"procs_running"):
+                        n = int(line.split()[1]) - 1
+                        least = n if least is None else min(least, n)
+                        break
+            if k < 2:
+                time.sleep(0.001)
+    except (OSError, ValueError):
+        return 0
+    return max(0, least or 0)
+
+
+def solver_threads(requested: int | None = None) -> int:
+    """How many threads a table fill uses: ``requested`` (capped at Numba's thread count), or by default the cores
+    this process may run on that nothing else is using now (at least 1, at most Numba's count). With a core taken,
+    OpenMP's barriers wait on a thread the busy core has descheduled: measured 2.8x slower than one thread at
+    L = 500 (``bench solver --threads``), so the default never counts on a busy core."""
+    top = _kernels()["threads"]()
+    if requested is not None:
+        return max(1, min(int(requested), top))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(top, cores - _busy_cores()))
+
+
 def _kernels() -> dict[str, Any]:
     """Compile (or load from Numba's on-disk cache) the kernels on first use."""
     if not _compiled:
@@ -481,7 +518,8 @@ def _kernels() -> dict[str, Any]:
         for name in ("_row", "_sub_at", "_take_chain", "_bounds", "_useful_end", "_chain_time", "_leaf", "_leaves",
                      "_finish", "_fill_table", "_rebuild", "_least_memory"):
             g[name] = numba.njit(**_NUMBA_OPTIONS, parallel=name == "_fill_table")(g[name])
-        _compiled.update(fill=_fill_table, rebuild=_rebuild, least=_least_memory, threads=numba.get_num_threads)
+        _compiled.update(fill=_fill_table, rebuild=_rebuild, least=_least_memory, threads=numba.get_num_threads,
+                         set_threads=numba.set_num_threads)
     return _compiled
 
 
@@ -812,7 +850,7 @@ def least_budget(chain: Chain) -> int:
 
 
 def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *, offload: bool = False,
-          grid: Any = None) -> Solution:
+          grid: Any = None, threads: int | None = None) -> Solution:
     """Solve ``chain`` for every budget up to ``max_budget`` at once.
 
     ``offload=True``: also offload to host memory over ``chain.bandwidth`` (DESIGN §9) and return an
@@ -823,6 +861,8 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     ``max_budget``: bytes (int) or text like ``"300MiB"``; default the store-all peak, above which nothing gets
     faster. ``slots``: the memory resolution of the table (capped at ``max_budget``, which makes integer sizes
     exact). Time O(slots·L³), memory about ``slots·L²·5`` bytes while building (only the int16 choices are kept).
+    ``threads``: threads of the table fill (default: the free cores, see :func:`solver_threads`); the table does not
+    depend on it.
     """
     chain = _check_chain(chain)
     if offload:
@@ -855,9 +895,14 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     with _FILL_LOCK, contextlib.ExitStack() as guards:
         for guard in PARALLEL_GUARDS:
             guards.enter_context(guard())
-        k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
-                  sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch,
-                  k["threads"]())
+        before = k["threads"]()
+        n = solver_threads(threads)
+        k["set_threads"](n)  # the team of the fill's parallel loop (thread-local in Numba): no idle member to wait for
+        try:
+            k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
+                      sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, n)
+        finally:
+            k["set_threads"](before)
     D0 = D[0].copy()
     del C, D  # only the choices (and the answers D[., 0]) are kept
     return Solution(chain, max_budget, slots, peak, sizes, Cch, Dch, D0)
