@@ -13,8 +13,9 @@ probabilities are materialised, as in the issue's hand split). Per model and gra
   among other budgets, each solved at its own resolution) over ``checkpoint_sequential`` at layer granularity
   (``layer_periodic``), averaged over its Pareto-efficient segment counts (``n`` that use as much measured memory
   as another and are slower are left out), over full per-layer recomputation at its measured peak, and over
-  Megatron's selective recomputation at its measured peak ("n/a" where the optimal schedule has no point at or
-  under that peak). A schedule measured above its prediction is reported on a line of its own.
+  Megatron's selective recomputation at its measured peak, and over Megatron's full recomputation, block (any k) and
+  uniform (k >= 2), averaged over their Pareto-efficient settings ("n/a" where the optimal schedule has no point at
+  or under that peak). A schedule measured above its prediction is reported on a line of its own.
 - the same three gains in the model alone (predicted peaks, simulated times): the headroom a perfect executor would
   measure, which says whether a small measured gain comes from the run or from the chain itself. There the optimum
   at a baseline's peak is never slower than that baseline (the exact DP would find it; at its resolution of 1/20000
@@ -88,7 +89,8 @@ def run(args: list[str]) -> None:
           f"{opts.layers} layers of width {opts.hidden}, batch {opts.batch} x {opts.seq} tokens, eager attention; "
           f"step times: median of {opts.rounds} interleaved rounds")
     head = ("model", "granularity", "stages", "extract", "measured/predicted peak", "vs ckpt_seq (Pareto n/all)",
-            "vs per-layer", "vs selective", "simulated: ckpt_seq / per-layer / selective")
+            "vs per-layer", "vs selective", "vs Megatron block/uniform",
+            "simulated: ckpt_seq / per-layer / selective / block+uniform")
     rows = []
     for name in (n.strip() for n in opts.models.split(",") if n.strip()):
         if name not in ALL:
@@ -115,7 +117,7 @@ def _build(name: str, opts: Any) -> tuple[nn.Module, Any, Any]:
 def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) -> tuple:
     from ..core.simulate import simulate
     from ..core.solver import solve
-    from ..core.strategies import layer_periodic, per_layer, selective
+    from ..core.strategies import layer_periodic, megatron_block, megatron_uniform, per_layer, selective
     from ..runtime.graph import extract_stages
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.profile import profile
@@ -136,6 +138,9 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     ckpt = [layer_periodic(chain, n) for n in range(1, units + 1)]
     full, sel = per_layer(chain), selective(chain) if "attn_core" in chain.tags else None
     baselines = ckpt + [full] + ([sel] if sel is not None else [])
+    k0 = len(baselines)  # then Megatron's full recomputation, block (any k) and uniform (k >= 2; k = 1 is per-layer)
+    baselines += [megatron_block(chain, j) for j in range(1, layers)]
+    baselines += [megatron_uniform(chain, j) for j in range(2, layers + 1)]
     seq = nn.Sequential(*[m for _, m in stages])  # wrap and checkpoint_sequential take a module
     peak_of = lambda s: measure(wrap(seq, s), x, loss_fn, repeats=1).peak_bytes  # noqa: E731
     base_peaks = [peak_of(s) for s in baselines]
@@ -159,19 +164,33 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
     for p in model.parameters():
         p.grad = None
-    n, k = len(ckpt), len(baselines)
+    n, k = len(ckpt), k0
+    ka = len(baselines)
     pct = lambda g: "n/a" if g is None else f"{100 * g:+.1f}%"  # noqa: E731
-    measured = _gains(list(zip(peaks, times)), n, k)
+    points = list(zip(peaks, times))
+    measured = _gains(points[:k] + points[ka:], n, k)
+    mega = _mega_gain(points[k:ka], points[ka:])
     # The same gains in the model alone (predicted peaks and simulated times): what a perfect executor would show.
     # The exact optimum at a baseline's predicted peak is never slower than that baseline (a schedule of the class
     # the DP searches); the DP's sizes, rounded up to slots, can miss it by a few KiB, so each baseline also counts
     # as a point of the optimum at its own peak.
     model_points = [(t.peak_memory, t.makespan) for t in traces]
-    simulated = _gains(model_points + model_points[:k], n, k)
+    simulated = _gains(model_points[:k] + model_points[ka:] + model_points[:k], n, k)
+    mega_sim = _mega_gain(model_points[k:ka], model_points[ka:] + model_points[k:ka])
     ckpt_all = f" ({measured[1]}; all n: {pct(measured[2])})" if measured[0] is not None else ""
     return (f"{chain.length} ({layers} layers)", f"{seconds:.2f} s", f"{min(ratios):.3f}-{max(ratios):.3f}",
-            pct(measured[0]) + ckpt_all, pct(measured[3]), pct(measured[4]),
-            " / ".join(pct(g) for g in (simulated[0], simulated[3], simulated[4])))
+            pct(measured[0]) + ckpt_all, pct(measured[3]), pct(measured[4]), pct(mega),
+            " / ".join(pct(g) for g in (simulated[0], simulated[3], simulated[4], mega_sim)))
+
+
+def _mega_gain(mega: list[tuple[float, float]], opt: list[tuple[float, float]]) -> float | None:
+    """Mean gain of the fastest optimal point within each Pareto-efficient Megatron block/uniform point's peak."""
+    gains = []
+    for (p, t), keep in zip(mega, pareto_efficient(mega)):
+        fits = [o_t for o_p, o_t in opt if o_p <= p]
+        if keep and fits:
+            gains.append(t / min(fits) - 1.0)
+    return statistics.mean(gains) if gains else None
 
 
 def _gains(points: list[tuple[float, float]], n: int, k: int) -> tuple:
