@@ -50,8 +50,10 @@ def test_transformers_bench_runs_on_a_tiny_nanogpt(capsys):
     table = out[out.rindex("model "):].splitlines()
     rows = [line.split() for line in table[1:] if line.strip()]
     assert [r[:2] for r in rows] == [["nanogpt", "module"], ["nanogpt", "sublayer"]]
-    # the last column ends with the simulated gain over selective recomputation, which needs sub-layer stages
-    assert rows[0][-1] == "n/a" and rows[1][-1].endswith("%")
+    # the last column: simulated gains over ckpt_seq / per-layer / selective / Megatron block+uniform; selective needs
+    # sub-layer stages
+    assert rows[0][-3] == "n/a" and rows[1][-3].endswith("%")
+    assert "vs Megatron block/uniform" in out and all(r[-1].endswith("%") for r in rows)
 
 
 def test_demo_rows_never_show_optimal_behind_a_baseline():
