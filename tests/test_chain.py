@@ -303,3 +303,32 @@ def test_time_spread_is_read_from_meta_weighted_by_time():
     for bad in ({"fwd": [0.1]}, {"fwd": [0.1], "bwd": [0.1]}, "noise", {"fwd": ["a", "b"], "bwd": [0, 0]}):
         assert Chain(fwd_time=[1.0, 3.0], bwd_time=[2.0, 2.0], x=[1, 1, 1], xbar=[1, 1],
                      meta={"time_spread": bad}).time_spread is None
+
+
+# ------------------------------------------------------------------ tied stages (DESIGN §10)
+def test_tied_and_copy_spread_round_trip_and_validate():
+    base = dict(fwd_time=[1.0] * 4, bwd_time=[2.0] * 4, x=[1] * 5, xbar=[1] * 4)
+    c = Chain(**base, tied=[[3, 1], (0, 2)], copy_spread=[(0.1, 0.2), [0.0, 0.5]],
+              meta={"repeats": 3, "time_spread": {"fwd": [0.0] * 4, "bwd": [0.0] * 4}})
+    assert c.tied == ((1, 3), (0, 2)) and c.copy_spread == ((0.1, 0.2), (0.0, 0.5))
+    again = Chain.from_json(c.to_json())
+    assert again == c and again.tied == c.tied and again.copy_spread == c.copy_spread
+    assert c.timing_note() == "4 identical stages in 2 kinds share their median time (copies differed by up to ±50%)"
+    assert Chain(**base).timing_note() is None and Chain(**base).tied == ()
+    for bad, match in (({"tied": [[1]]}, "two or more"), ({"tied": [[0, 4]]}, "from 0 to 3"),
+                       ({"tied": [[0, 1], [1, 2]], "copy_spread": [(0, 0), (0, 0)]}, "overlap"),
+                       ({"tied": [[0, 1]]}, "one \\[fwd, bwd\\] per set"),
+                       ({"tied": [[0, 1]], "copy_spread": [(-1, 0)]}, "non-negative"),
+                       ({"tied": ["ab"]}, "stage indices")):
+        with pytest.raises(InvalidChain, match=match):
+            Chain(**base, **bad)
+
+
+def test_timing_note_counts_only_untied_stages_as_noise():
+    meta = {"repeats": 5, "time_spread": {"fwd": [0.5, 0.5, 0.0], "bwd": [0.5, 0.5, 0.0]}}
+    c = Chain(fwd_time=[1.0] * 3, bwd_time=[1.0] * 3, x=[1] * 4, xbar=[1] * 3, meta=meta)
+    assert c.untied_spread == pytest.approx(1 / 3) and c.timing_note() == "stage times varied ±33% across 5 repeats"
+    t = replace(c, tied=((0, 1),), copy_spread=((0.2, 0.1),))
+    assert t.untied_spread == 0.0
+    assert t.timing_note() == ("2 identical stages in 1 kind share their median time (copies differed by up to "
+                               "±20%); other stage times varied ±0% across 5 repeats")

@@ -447,3 +447,60 @@ def test_profile_records_the_spread_of_each_stage(monkeypatch):
         warnings.simplefilter("error")
         steady = profile(model, torch.randn(3, 4), warmup=0, repeats=3, progress=False)
     assert steady.time_spread == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- identical stages
+def test_identical_stages_share_their_median_time(monkeypatch):
+    """Three copies of one layer measured 1, 2 and 6 ms: each costs the median, 2 ms; the spread stays in the chain;
+    the warning only speaks of the stages that sharing does not steady."""
+    import warnings
+
+    import hchain_viz.runtime.profile as P
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    # one repeat, no warm-up: stage i gets (fwd, bwd) = the i-th pair. Stage 0 (input without grad) and stage 4
+    # (another shape) are not copies of stages 1-3.
+    times = [5e-3, 7e-3, 1e-3, 3e-3, 2e-3, 3e-3, 6e-3, 4e-3, 9e-3, 9e-3]
+    monkeypatch.setattr(P, "_timed", fake_timer(times))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the copies differ by ±125%, but they are tied: no warning
+        chain = profile(model, torch.randn(3, 8), warmup=0, repeats=1, progress=False)
+    assert chain.tied == ((1, 2, 3),)
+    assert chain.fwd_time == (5e-3, 2e-3, 2e-3, 2e-3, 9e-3) and chain.bwd_time == (7e-3, 3e-3, 3e-3, 3e-3, 9e-3)
+    assert chain.copy_spread == (pytest.approx(((6 - 1) / (2 * 2), (4 - 3) / (2 * 3))),)
+    assert chain.meta["untied_time"]["fwd"] == pytest.approx([5e-3, 1e-3, 2e-3, 6e-3, 9e-3])
+    note = chain.timing_note()
+    assert "\n" not in note and "3 identical stages in 1 kind share their median time" in note and "±125%" in note
+    again = Chain.from_json(chain.to_json())
+    assert again.tied == chain.tied and again.copy_spread == chain.copy_spread and again == chain
+
+    monkeypatch.setattr(P, "_timed", fake_timer(times))
+    raw = profile(model, torch.randn(3, 8), warmup=0, repeats=1, progress=False, tie_identical=False)
+    assert raw.tied == () and raw.fwd_time == (5e-3, 1e-3, 2e-3, 6e-3, 9e-3)
+
+
+def test_timing_warning_is_one_line_about_untied_stages(monkeypatch):
+    import hchain_viz.runtime.profile as P
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    monkeypatch.setattr(P, "_timed", fake_timer([1e-3, 3e-3, 1e-3, 3e-3, 2e-3, 3e-3]))
+    with pytest.warns(hcv.TimingWarning) as rec:
+        profile(model, torch.randn(3, 4), warmup=0, repeats=3, progress=False)
+    assert len(rec) == 1 and "\n" not in str(rec[0].message) and len(str(rec[0].message)) < 160
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_sublayer_copies_of_each_layer_part_are_tied(family):
+    pytest.importorskip("transformers")
+    from hchain_viz.runtime.graph import extract_stages
+
+    model, x, loss_fn = models.hf_model(family, batch=2, seq=32, layers=3, hidden=64, heads=4, vocab=128,
+                                        attn_implementation="eager")
+    stages = extract_stages(model, x, granularity="sublayer")
+    chain = profile(stages, x, loss_fn, warmup=0, repeats=1, progress=False)
+    # one set per part of a layer, with that part of every layer, and nothing else (embedding, head)
+    parts = {n.split(".", 2)[-1] for _, a, b in chain.groups for n in chain.names[a:b + 1]}
+    assert len(chain.tied) == len(parts) and all(len(t) == 3 for t in chain.tied)
+    for t in chain.tied:
+        assert len({chain.names[i].split(".", 2)[-1] for i in t}) == 1
+        assert len({chain.fwd_time[i] for i in t}) == 1 and len({chain.bwd_time[i] for i in t}) == 1

@@ -55,6 +55,8 @@ def every_schedule(chain: Chain) -> list[Schedule]:
     out += [S._chen_schedule(chain, st_, thr, None) for st_, thr in S._chen_candidates(chain)]
     if chain.groups:
         out += [S.per_layer(chain)] + [S.layer_periodic(chain, n) for n in range(1, len(S._units(chain)) + 1)]
+        out += [S.megatron_block(chain, k) for k in range(len(chain.groups) + 1)]
+        out += [S.megatron_uniform(chain, k) for k in range(1, len(chain.groups) + 1)]
     if "attn_core" in chain.tags:
         out.append(S.selective(chain))
     return out
@@ -95,7 +97,8 @@ def test_no_budget_gives_each_familys_fastest(chain):
     for name in S.applicable(chain):
         fn = S.STRATEGIES[name]
         t = simulate(chain, fn(chain)).makespan
-        if name in ("periodic", "chen_greedy", "layer_periodic"):  # free choice within the family: its fastest
+        free = ("periodic", "chen_greedy", "layer_periodic", "megatron_block", "megatron_uniform")
+        if name in free:  # free choice within the family: its fastest
             assert t == min(p[1] for p in points[name])
         assert (simulate(chain, fn(chain)).peak_memory, t) in points[name]
 
@@ -333,7 +336,8 @@ def test_chen_candidates_span_store_all_to_every_stage():
 def test_registry_and_baseline_schedules():
     chain = Chain.random(9, seed=1)
     plain = {"store_all", "periodic", "sqrt_n", "chen_greedy", "revolve", "recompute_all"}
-    assert set(S.STRATEGIES) == plain | {"per_layer", "selective", "layer_periodic"}
+    assert set(S.STRATEGIES) == plain | {"per_layer", "selective", "layer_periodic", "megatron_block",
+                                         "megatron_uniform"}
     assert set(S.applicable(chain)) == plain  # no groups, no tags: the transformer families do not apply
     every = S.baseline_schedules(chain)
     assert set(every) == plain
@@ -430,7 +434,7 @@ def test_layer_periodic_is_checkpoint_sequential_over_layers():
         S.layer_periodic(chain, 7)
 
 
-@pytest.mark.parametrize("name", ["per_layer", "selective", "layer_periodic"])
+@pytest.mark.parametrize("name", ["per_layer", "selective", "layer_periodic", "megatron_block", "megatron_uniform"])
 def test_transformer_baselines_need_structure(name):
     chain = Chain.random(6, seed=0)
     with pytest.raises(HChainError, match="granularity") as err:
@@ -449,8 +453,98 @@ def test_tag_runs_stop_at_layer_boundaries():
 def test_transformer_baselines_on_the_frontier():
     chain = Chain.transformer(2)
     pts = S.frontier_points(chain)
-    assert {"per_layer", "selective", "layer_periodic"} <= set(pts)
+    assert {"per_layer", "selective", "layer_periodic", "megatron_block", "megatron_uniform"} <= set(pts)
     assert pts["per_layer"] == [(simulate(chain, S.per_layer(chain)).peak_memory,
                                  simulate(chain, S.per_layer(chain)).makespan)]
     assert len(pts["layer_periodic"]) >= 2
     assert set(S.baseline_schedules(chain)) == set(S.STRATEGIES)
+
+
+# ------------------------------------------------------------------ Megatron-LM full recomputation, block and uniform
+def _recomputed_stages(s: Schedule) -> list[int]:
+    """Stages whose forward runs more than once, in stage order."""
+    kinds = [op.stage for op in s if op.kind in ("Fck", "Fn", "Fall")]
+    return sorted({i for i in kinds if kinds.count(i) > 1})
+
+
+def test_megatron_block_recomputes_the_first_k_layers():
+    chain = Chain.transformer(4)  # embed, h.0 .. h.3 (6 stages each), head
+    layers = chain.groups
+    assert S.megatron_block(chain, 0).ops == S.store_all(chain).ops
+    assert S.megatron_block(chain, 4).ops == S.per_layer(chain).ops
+    prev = None
+    for k in range(5):
+        s = S.megatron_block(chain, k)
+        assert s.meta == {"strategy": "megatron_block", "k": k}
+        assert _recomputed_stages(s) == [i for _, a, b in layers[:k] for i in range(a, b + 1)]
+        assert [op.stage for op in s if op.kind == "Fck"] == [a for _, a, _ in layers[:k]]
+        tr = simulate(chain, s)
+        assert tr.makespan == pytest.approx(chain.store_all_time + sum(chain.fwd_time[i] for i in
+                                                                       _recomputed_stages(s)))
+        if prev is not None:  # each more layer recomputed: no more memory, more time (identical layers)
+            assert tr.peak_memory <= prev.peak_memory and tr.makespan > prev.makespan
+        prev = tr
+    assert prev.peak_memory < simulate(chain, S.megatron_block(chain, 1)).peak_memory
+    with pytest.raises(HChainError, match="from 0 to the number of layers"):
+        S.megatron_block(chain, 5)
+
+
+def test_megatron_uniform_recomputes_groups_of_k_layers():
+    chain = Chain.transformer(5)
+    layers = chain.groups
+    assert S.megatron_uniform(chain, 1).ops == S.per_layer(chain).ops
+    for k in range(1, 6):
+        s = S.megatron_uniform(chain, k)
+        firsts = [layers[n][1] for n in range(0, 5, k)]
+        assert [op.stage for op in s if op.kind == "Fck"] == firsts  # one kept input per group
+        assert _recomputed_stages(s) == list(range(layers[0][1], layers[-1][2] + 1))
+        # the backward re-runs each group whole before its backwards: Fall over the group, then B reversed
+        ops = list(s.ops)
+        for n in range(0, 5, k):
+            a, b = layers[n][1], layers[min(n + k, 5) - 1][2]
+            start = ops.index(Op("Fall", a), ops.index(Op("Loss", chain.length)))
+            assert ops[start:start + 2 * (b - a + 1)] == [Op("Fall", i) for i in range(a, b + 1)] + \
+                [Op("B", i) for i in range(b, a - 1, -1)]
+        simulate(chain, s)
+    # fewer kept inputs, bigger recomputed units: the kept-input part of the peak falls with k on this chain
+    peaks = [simulate(chain, S.megatron_uniform(chain, k)).peak_memory for k in range(1, 6)]
+    assert peaks[-1] != peaks[0]
+    with pytest.raises(HChainError, match="from 1 to the number of layers"):
+        S.megatron_uniform(chain, 0)
+
+
+def test_megatron_uniform_cuts_groups_at_stages_outside_layers():
+    chain = Chain(fwd_time=[1] * 5, bwd_time=[1] * 5, x=[1] * 6, xbar=[2] * 5,
+                  groups=[("a", 0, 1), ("b", 3, 4)])  # stage 2 is in no layer
+    s = S.megatron_uniform(chain, 2)
+    assert [op.stage for op in s if op.kind == "Fck"] == [0, 3]
+    assert _recomputed_stages(s) == [0, 1, 3, 4]
+    simulate(chain, s)
+
+
+@given(chains(), st.integers(0, 200))
+def test_best_megatron_picks_the_fastest_k_that_fits(chain, budget):
+    if not chain.groups:
+        return
+    n = len(chain.groups)
+    for name, make, ks in (("megatron_block", S.megatron_block, range(n + 1)),
+                           ("megatron_uniform", S.megatron_uniform, range(1, n + 1))):
+        scored = [(simulate(chain, make(chain, k)), k) for k in ks]
+        fits = [tr.makespan for tr, _ in scored if tr.peak_memory <= budget]
+        try:
+            got = simulate(chain, S.STRATEGIES[name](chain, budget))
+        except InfeasibleBudget as e:
+            assert not fits and e.min_budget == min(tr.peak_memory for tr, _ in scored)
+        else:
+            assert got.peak_memory <= budget and got.makespan == min(fits)
+
+
+def test_baseline_frontier_is_the_pareto_front_of_every_family():
+    chain = Chain.transformer(3)
+    front = S.baseline_frontier(chain)
+    every = [p for ps in S.frontier_points(chain).values() for p in ps]
+    assert [(p, t) for p, t, _, _ in front] == S.pareto(every)
+    for p, t, label, s in front:
+        tr = simulate(chain, s)
+        assert (tr.peak_memory, tr.makespan) == (p, t)
+        assert label.split("(")[0] == s.meta["strategy"] or label == s.meta["strategy"]

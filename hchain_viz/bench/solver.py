@@ -7,6 +7,12 @@ budget. Then the cost of a fresh process (import + first solve of L=100), with N
 Chains are ``Chain.random(L, seed=0)``. Timings are wall-clock, with the build's CPU time beside it: the table fill
 runs on Numba's threads (``NUMBA_NUM_THREADS``, default one per core), so CPU time is up to that many times the wall
 time; on a shared machine both are noisy, and the old and new code are best compared side by side in one run.
+
+``--threads``: the thread-count options side by side (issue 24: a solver that holds up on a busy machine): for each
+L, interleaved rounds of ``solve(chain, threads=1)``, ``threads=2`` and the default (the free cores, see
+``solver.solver_threads``), first as the machine is, then with one extra busy process (``while True: pass``) that
+this benchmark starts and ends; medians, the spread (half the range over the median) and each option's ratio to one
+thread in the same phase.
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ def run(args: list[str]) -> None:
     5)."""
     from ..errors import HChainError
 
+    if "--threads" in args:
+        return _run_threads([a for a in args if a != "--threads"])
     quick = "--quick" in args
     reps = 5
     if "--reps" in args:
@@ -117,6 +125,61 @@ def run(args: list[str]) -> None:
         ["warm", format_time(warm_in), format_time(warm_all),
          f"<= {format_time(GOAL_COLD_START)} {'ok' if warm_all <= GOAL_COLD_START else 'MISSED'}"],
     ])
+
+
+# Goals of the thread options (issue 24): with one core busy, the default within 1.15x of one thread.
+GOAL_BUSY_RATIO = 1.15
+
+
+def _run_threads(args: list[str]) -> None:
+    """The thread-count options side by side (see the module docstring). Options: ``--reps N`` (rounds, default 5),
+    ``--lengths 100,300,500``."""
+    from ..core.solver import solver_threads
+
+    reps = int(args[args.index("--reps") + 1]) if "--reps" in args else 5
+    lengths = ([int(v) for v in args[args.index("--lengths") + 1].split(",")] if "--lengths" in args
+               else [100, 300, 500])
+    solve(Chain.random(5, seed=0))  # compile or load the kernels
+    options = [("1 thread", 1), ("2 threads", 2), ("default (free cores)", None)]
+    rows = []
+    for phase in ("as is", "+1 busy process"):
+        busy = None
+        if phase != "as is":
+            busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            time.sleep(1.0)
+        try:
+            for L in lengths:
+                chain = Chain.random(L, seed=0)
+                solve(chain, threads=1)  # warm-up
+                times: dict[str, list[float]] = {name: [] for name, _ in options}
+                chosen = []
+                for _ in range(reps):  # interleaved: each round runs every option once
+                    for name, n in options:
+                        if n is None:
+                            chosen.append(solver_threads())
+                        t = time.perf_counter()
+                        solve(chain, threads=n)
+                        times[name].append(time.perf_counter() - t)
+                one = statistics.median(times["1 thread"])
+                for name, _ in options:
+                    med = statistics.median(times[name])
+                    spread = (max(times[name]) - min(times[name])) / (2 * med)
+                    ratio = med / one
+                    goal = ""
+                    if name.startswith("default") and phase != "as is":
+                        goal = f"<= {GOAL_BUSY_RATIO}x {'ok' if ratio <= GOAL_BUSY_RATIO else 'MISSED'}"
+                    elif name.startswith("default") and L == 500:
+                        goal = f"<= {format_time(GOALS[(500, 500)])} {'ok' if med <= GOALS[(500, 500)] else 'MISSED'}"
+                    extra = f" (chose {sorted(set(chosen))})" if name.startswith("default") else ""
+                    rows.append([phase, str(L), name + extra, format_time(med), f"±{100 * spread:.0f}%",
+                                 f"{ratio:.2f}x", goal])
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+    print(f"Solver threads: solve(Chain.random(L, seed=0), slots=500), median of {reps} interleaved rounds; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
+    print_table(["machine", "L", "threads", "build", "spread", "vs 1 thread", "goal"], rows, rule=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,8 +13,9 @@ probabilities are materialised, as in the issue's hand split). Per model and gra
   among other budgets, each solved at its own resolution) over ``checkpoint_sequential`` at layer granularity
   (``layer_periodic``), averaged over its Pareto-efficient segment counts (``n`` that use as much measured memory
   as another and are slower are left out), over full per-layer recomputation at its measured peak, and over
-  Megatron's selective recomputation at its measured peak ("n/a" where the optimal schedule has no point at or
-  under that peak). A schedule measured above its prediction is reported on a line of its own.
+  Megatron's selective recomputation at its measured peak, and over Megatron's full recomputation, block (any k) and
+  uniform (k >= 2), averaged over their Pareto-efficient settings ("n/a" where the optimal schedule has no point at
+  or under that peak). A schedule measured above its prediction is reported on a line of its own.
 - the same three gains in the model alone (predicted peaks, simulated times): the headroom a perfect executor would
   measure, which says whether a small measured gain comes from the run or from the chain itself. There the optimum
   at a baseline's peak is never slower than that baseline (the exact DP would find it; at its resolution of 1/20000
@@ -25,6 +26,25 @@ interleaved rounds (a warm-up round first, shuffled order each round).
 
     python -m hchain_viz bench transformers [--models nanogpt,gpt2,llama,bert,bart,t5] [--layers 4] [--hidden 128]
                                             [--seq 128] [--batch 4] [--rounds 3] [--threads 0]
+
+``--honest``: the measures of issue 24, simulated with roofline H100 times (``profile(..., estimate_for="H100")``;
+sizes measured) on GPT-2 and LLaMA at sub-layer and module granularity, ``--layers`` (default 4,8) and ``--seqs``
+(default 256,1024), hidden ``--hidden`` (use 256), over a grid of ``--grid`` (default 24) budgets from the least
+feasible to store-all. Framework baselines: store-all, per-layer (HF on), selective, ``checkpoint_sequential`` over
+layers (any n), Megatron block and uniform (any k). Per row:
+
+- reach: the least feasible budget over the least any framework baseline needs; and at 0.75x of that least, how much
+  slower the optimum is than that least-memory baseline;
+- vs HF: the gain over HF's on/off gradient checkpointing (the faster of store-all and per-layer that fits), mean
+  over the budgets where one fits, and the share of the grid where the gain is >= 15% or only the optimum fits;
+- vs ckpt_seq: mean and max gain over ``checkpoint_sequential`` over layers where it fits;
+- vs best: mean and least gain over the best framework baseline that fits (block/uniform included);
+- sub vs module: the module-granularity optimum over the sub-layer one at equal budget (mean where both fit), each
+  as its overhead over its own chain's store-all time (the roofline sums of a layer's parts and of the whole layer
+  differ: their ratio is printed), and the ratio of their least budgets.
+
+``--per-layer-check``: the same per-layer schedule on the module and the sub-layer chain of one model (``--models``,
+first entry; ``--seqs``, first entry): predicted and measured peaks of both (the LLaMA seq-1024 discrepancy).
 """
 
 from __future__ import annotations
@@ -54,14 +74,24 @@ def run(args: list[str]) -> None:
     parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds (median taken)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
+    parser.add_argument("--honest", action="store_true", help="issue 24's measures, simulated (H100 roofline)")
+    parser.add_argument("--per-layer-check", action="store_true", help="one per-layer schedule, both granularities")
+    parser.add_argument("--seqs", default="256,1024", help="--honest: comma-separated sequence lengths")
+    parser.add_argument("--layer-counts", default="4,8", help="--honest: comma-separated layer counts")
+    parser.add_argument("--grid", type=positive_int, default=24, help="--honest: budgets from least to store-all")
     opts = parser.parse_args(args)
     if opts.threads:
         torch.set_num_threads(opts.threads)
+    if opts.honest:
+        return _honest(opts)
+    if opts.per_layer_check:
+        return _per_layer_check(opts)
     print(f"transformers benchmark: torch {torch.__version__}, cpu, {torch.get_num_threads()} threads, "
           f"{opts.layers} layers of width {opts.hidden}, batch {opts.batch} x {opts.seq} tokens, eager attention; "
           f"step times: median of {opts.rounds} interleaved rounds")
     head = ("model", "granularity", "stages", "extract", "measured/predicted peak", "vs ckpt_seq (Pareto n/all)",
-            "vs per-layer", "vs selective", "simulated: ckpt_seq / per-layer / selective")
+            "vs per-layer", "vs selective", "vs Megatron block/uniform",
+            "simulated: ckpt_seq / per-layer / selective / block+uniform")
     rows = []
     for name in (n.strip() for n in opts.models.split(",") if n.strip()):
         if name not in ALL:
@@ -88,7 +118,7 @@ def _build(name: str, opts: Any) -> tuple[nn.Module, Any, Any]:
 def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) -> tuple:
     from ..core.simulate import simulate
     from ..core.solver import solve
-    from ..core.strategies import layer_periodic, per_layer, selective
+    from ..core.strategies import layer_periodic, megatron_block, megatron_uniform, per_layer, selective
     from ..runtime.graph import extract_stages
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.profile import profile
@@ -109,6 +139,9 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     ckpt = [layer_periodic(chain, n) for n in range(1, units + 1)]
     full, sel = per_layer(chain), selective(chain) if "attn_core" in chain.tags else None
     baselines = ckpt + [full] + ([sel] if sel is not None else [])
+    k0 = len(baselines)  # then Megatron's full recomputation, block (any k) and uniform (k >= 2; k = 1 is per-layer)
+    baselines += [megatron_block(chain, j) for j in range(1, layers)]
+    baselines += [megatron_uniform(chain, j) for j in range(2, layers + 1)]
     seq = nn.Sequential(*[m for _, m in stages])  # wrap and checkpoint_sequential take a module
     peak_of = lambda s: measure(wrap(seq, s), x, loss_fn, repeats=1).peak_bytes  # noqa: E731
     base_peaks = [peak_of(s) for s in baselines]
@@ -132,19 +165,33 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
     for p in model.parameters():
         p.grad = None
-    n, k = len(ckpt), len(baselines)
+    n, k = len(ckpt), k0
+    ka = len(baselines)
     pct = lambda g: "n/a" if g is None else f"{100 * g:+.1f}%"  # noqa: E731
-    measured = _gains(list(zip(peaks, times)), n, k)
+    points = list(zip(peaks, times))
+    measured = _gains(points[:k] + points[ka:], n, k)
+    mega = _mega_gain(points[k:ka], points[ka:])
     # The same gains in the model alone (predicted peaks and simulated times): what a perfect executor would show.
     # The exact optimum at a baseline's predicted peak is never slower than that baseline (a schedule of the class
     # the DP searches); the DP's sizes, rounded up to slots, can miss it by a few KiB, so each baseline also counts
     # as a point of the optimum at its own peak.
     model_points = [(t.peak_memory, t.makespan) for t in traces]
-    simulated = _gains(model_points + model_points[:k], n, k)
+    simulated = _gains(model_points[:k] + model_points[ka:] + model_points[:k], n, k)
+    mega_sim = _mega_gain(model_points[k:ka], model_points[ka:] + model_points[k:ka])
     ckpt_all = f" ({measured[1]}; all n: {pct(measured[2])})" if measured[0] is not None else ""
     return (f"{chain.length} ({layers} layers)", f"{seconds:.2f} s", f"{min(ratios):.3f}-{max(ratios):.3f}",
-            pct(measured[0]) + ckpt_all, pct(measured[3]), pct(measured[4]),
-            " / ".join(pct(g) for g in (simulated[0], simulated[3], simulated[4])))
+            pct(measured[0]) + ckpt_all, pct(measured[3]), pct(measured[4]), pct(mega),
+            " / ".join(pct(g) for g in (simulated[0], simulated[3], simulated[4], mega_sim)))
+
+
+def _mega_gain(mega: list[tuple[float, float]], opt: list[tuple[float, float]]) -> float | None:
+    """Mean gain of the fastest optimal point within each Pareto-efficient Megatron block/uniform point's peak."""
+    gains = []
+    for (p, t), keep in zip(mega, pareto_efficient(mega)):
+        fits = [o_t for o_p, o_t in opt if o_p <= p]
+        if keep and fits:
+            gains.append(t / min(fits) - 1.0)
+    return statistics.mean(gains) if gains else None
 
 
 def _gains(points: list[tuple[float, float]], n: int, k: int) -> tuple:
@@ -164,3 +211,124 @@ def _gains(points: list[tuple[float, float]], n: int, k: int) -> tuple:
     every = [g for g, _ in gains if g is not None]
     return (statistics.mean(kept) if kept else None, f"{len(kept)}/{len(every)}",
             statistics.mean(every) if every else None, gain(*points[n]), gain(*points[n + 1]) if k > n + 1 else None)
+
+
+# ---------------------------------------------------------------------------------------------------- --honest
+FRAMEWORK = ("store_all", "per_layer", "selective", "layer_periodic", "megatron_block", "megatron_uniform")
+HF = ("store_all", "per_layer")  # Hugging Face gradient checkpointing off / on
+
+
+def _chain(name: str, layers: int, seq: int, granularity: str | None, opts: Any, estimate: bool = True):
+    """(chain, stages, x, loss_fn) of ``name`` at ``granularity``, times a roofline H100 estimate when ``estimate``."""
+    from types import SimpleNamespace
+
+    from ..runtime.graph import extract_stages
+    from ..runtime.profile import profile
+
+    model, x, loss_fn = _build(name, SimpleNamespace(batch=opts.batch, seq=seq, hidden=opts.hidden, layers=layers))
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stages = extract_stages(model, x, granularity=granularity)
+        chain = profile(stages, x, loss_fn, progress=False, warmup=0, repeats=1,
+                        estimate_for="H100" if estimate else None)
+    return chain, stages, x, loss_fn
+
+
+def honest_measures(sub: Any, module: Any, grid: int = 24) -> dict[str, float]:
+    """Issue 24's measures for one model: ``sub`` and ``module`` are its chains at sub-layer and module granularity
+    (see the module docstring, ``--honest``). Gains are ``baseline time / optimal time - 1`` at equal budget."""
+    from ..core.solver import least_budget, solve
+    from ..core.strategies import frontier_points
+
+    def fw(chain: Any, names: tuple[str, ...]) -> list[tuple[int, float]]:
+        pts = frontier_points(chain)
+        return [p for n in names if n in pts for p in pts[n]]
+
+    def best(points: list[tuple[int, float]], b: float) -> float | None:
+        fits = [t for p, t in points if p <= b]
+        return min(fits) if fits else None
+
+    sol, msol = solve(sub, slots=4000), solve(module, slots=4000)
+    least = least_budget(sub)
+    framework = fw(sub, FRAMEWORK)
+    least_fw = min(p for p, _ in framework)
+    least_fw_time = best(framework, least_fw)
+    b75 = int(0.75 * least_fw)
+    at75 = sol.makespan(b75) / least_fw_time - 1 if b75 >= least else float("nan")
+    budgets = [least + (sol.store_all_peak - least) * k // (grid - 1) for k in range(grid)]
+    out: dict[str, list[float]] = {"hf": [], "hf_ok": [], "ckpt": [], "best": [], "module": []}
+    hf, ckpt = fw(sub, HF), fw(sub, ("layer_periodic",))
+    for b in budgets:
+        t = sol.makespan(b)
+        h = best(hf, b)
+        if h is not None:
+            out["hf"].append(h / t - 1)
+        out["hf_ok"].append(1.0 if h is None or h / t - 1 >= 0.15 else 0.0)
+        c = best(ckpt, b)
+        if c is not None:
+            out["ckpt"].append(c / t - 1)
+        f = best(framework, b)
+        if f is not None:
+            out["best"].append(f / t - 1)
+        m = msol.makespan(b)
+        if m != float("inf"):  # overheads over each chain's own store-all time (their roofline sums differ)
+            out["module"].append((m / module.store_all_time) / (t / sub.store_all_time) - 1)
+    mean = lambda v: statistics.mean(v) if v else float("nan")  # noqa: E731
+    return {"reach": least / least_fw, "at75": at75, "hf_mean": mean(out["hf"]), "hf_share": mean(out["hf_ok"]),
+            "ckpt_mean": mean(out["ckpt"]), "ckpt_max": max(out["ckpt"], default=float("nan")),
+            "best_mean": mean(out["best"]), "best_min": min(out["best"], default=float("nan")),
+            "module_mean": mean(out["module"]), "least_ratio": least_budget(module) / least,
+            "store_all_ratio": module.store_all_time / sub.store_all_time,
+            "layers": len(sub.groups), "grid": grid}
+
+
+def _honest(opts: Any) -> None:
+    names = [n.strip() for n in opts.models.split(",") if n.strip()]
+    names = [n for n in names if n in ("gpt2", "llama")] or ["gpt2", "llama"]
+    print(f"Issue 24's measures, simulated (roofline H100 times, sizes measured on the CPU): hidden {opts.hidden}, "
+          f"batch {opts.batch}, {opts.grid} budgets from the least feasible to store-all; gains are "
+          f"baseline time / optimal time - 1 at equal budget")
+    head = ("model", "layers", "seq", "reach", "@0.75x", "vs HF mean", ">=15% share", "vs ckpt_seq mean/max",
+            "vs best mean/min", "sub vs module", "least module/sub", "store-all module/sub")
+    rows = []
+    for name in names:
+        for layers in (int(v) for v in opts.layer_counts.split(",")):
+            for seq in (int(v) for v in opts.seqs.split(",")):
+                sub = _chain(name, layers, seq, "sublayer", opts)[0]
+                module = _chain(name, layers, seq, None, opts)[0]
+                m = honest_measures(sub, module, opts.grid)
+                p = lambda v: f"{100 * v:+.1f}%"  # noqa: E731
+                rows.append((name, str(layers), str(seq), f"{m['reach']:.2f}x", p(m["at75"]), p(m["hf_mean"]),
+                             f"{100 * m['hf_share']:.0f}%", f"{p(m['ckpt_mean'])} / {p(m['ckpt_max'])}",
+                             f"{p(m['best_mean'])} / {p(m['best_min'])}", p(m["module_mean"]),
+                             f"{m['least_ratio']:.2f}x", f"{m['store_all_ratio']:.3f}"))
+                print_table(head, rows[-1:], left=2)
+    print()
+    print_table(head, rows, left=2)
+
+
+def _per_layer_check(opts: Any) -> None:
+    """The per-layer schedule on the module and the sub-layer chain of one model: predicted and measured peaks."""
+    from ..core.simulate import simulate
+    from ..core.strategies import per_layer, store_all
+    from ..core.units import format_bytes
+    from ..runtime.measure import measure
+    from ..runtime.wrap import wrap
+
+    name = opts.models.split(",")[0].strip()
+    layers = int(opts.layer_counts.split(",")[0])
+    seq = int(opts.seqs.split(",")[0])
+    rows = []
+    for granularity in ("module", "sublayer"):
+        chain, stages, x, loss_fn = _chain(name, layers, seq, None if granularity == "module" else granularity,
+                                           opts, estimate=False)
+        seq_model = nn.Sequential(*[m for _, m in stages])
+        for label, s in (("per_layer", per_layer(chain)), ("store_all", store_all(chain))):
+            tr = simulate(chain, s)
+            got = measure(wrap(seq_model, s), x, loss_fn, repeats=1).peak_bytes
+            rows.append((granularity, label, str(chain.length), format_bytes(tr.peak_memory), format_bytes(got),
+                         f"{got / tr.peak_memory:.4f}"))
+    print(f"{name}, {layers} layers, seq {seq}, hidden {opts.hidden}, batch {opts.batch}: one schedule, two chains")
+    print_table(("granularity", "schedule", "stages", "predicted peak", "measured peak", "measured/predicted"), rows,
+                left=2)

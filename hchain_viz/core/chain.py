@@ -80,6 +80,15 @@ class Chain:
       no link is modelled. The link is modelled full duplex: offloads and prefetches each have their own channel
       at this rate and never slow each other. Presets in :data:`BANDWIDTH_PRESETS`; see :meth:`with_bandwidth`.
 
+    Costs users can trust (optional; DESIGN §10):
+
+    - ``tied``: sets of structurally identical stages (same module types, parameter shapes and input shapes), each a
+      sorted tuple of at least two stage indices, disjoint: their times were set to the median over the copies, so
+      that noise does not decide which copy of a layer is recomputed (``hcv.profile`` finds them).
+    - ``copy_spread``: per set of ``tied``, ``(fwd, bwd)``: how much the copies' own measurements differed, half
+      their range over the median (0.2: ±20%), as ``meta["time_spread"]`` reports the repeats.
+      :meth:`timing_note` says both in one line.
+
     Structure of transformer-like chains (all optional; DESIGN §8):
 
     - ``groups``: named contiguous stage ranges ``(name, first, last)`` (inclusive, in order, non-overlapping), e.g.
@@ -121,6 +130,8 @@ class Chain:
     nograd_tmp: tuple[int, ...] | None = None  # None: as fwd_tmp (see nograd_tmp_bytes)
     fixed: FixedMemory | None = None
     batch_fit: BatchFit | None = None
+    tied: tuple[tuple[int, ...], ...] = ()
+    copy_spread: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         L = _length_of(self.fwd_time, "fwd_time")
@@ -167,6 +178,8 @@ class Chain:
             if len(self.fixed.stage_grads) != L:
                 raise InvalidChain(f"fixed.stage_grads has {len(self.fixed.stage_grads)} entries but the chain has "
                                    f"{L} stages; give one gradient size per stage")
+        set_(self, "tied", _tied(self.tied, L))
+        set_(self, "copy_spread", _copy_spread(self.copy_spread, len(self.tied)))
         if self.batch_fit is not None:
             if not isinstance(self.batch_fit, BatchFit):
                 raise InvalidChain(f"batch_fit must be a BatchFit (or None), got {type(self.batch_fit).__name__}")
@@ -226,6 +239,42 @@ class Chain:
             return None
         return float((np.dot(f, self.fwd_time) + np.dot(b, self.bwd_time)) / self.store_all_time)
 
+    def timing_note(self) -> str | None:
+        """One line on how far the times can be trusted, for the explorer and the demo; None when nothing is known
+        (a chain not from ``hcv.profile``). Says how many identical stages share one cost and how much their copies
+        differed, and how much the remaining stages' repeats varied."""
+        parts = []
+        if self.tied:
+            n = sum(len(t) for t in self.tied)
+            worst = max(max(f, b) for f, b in self.copy_spread) if self.copy_spread else 0.0
+            parts.append(f"{n} identical stages in {len(self.tied)} kind{'s' * (len(self.tied) > 1)} share their "
+                         f"median time (copies differed by up to ±{100 * worst:.0f}%)")
+        spread = self.untied_spread
+        if spread is not None:
+            parts.append(f"{'other ' if self.tied else ''}stage times varied ±{100 * spread:.0f}% across "
+                         f"{self.meta.get('repeats', '?')} repeats")
+        return "; ".join(parts) or None
+
+    @property
+    def untied_spread(self) -> float | None:
+        """:attr:`time_spread` over the stages outside ``tied`` only (what sharing a median does not steady),
+        weighted by their share of those stages' step time; None when unknown or when every stage is tied."""
+        s = self.meta.get("time_spread") if isinstance(self.meta, dict) else None
+        try:
+            f, b = np.asarray(s["fwd"], np.float64), np.asarray(s["bwd"], np.float64)
+        except (TypeError, KeyError, ValueError):
+            return None
+        if f.shape != (self.length,) or b.shape != (self.length,):
+            return None
+        free = np.ones(self.length, bool)
+        for t in self.tied:
+            free[list(t)] = False
+        fwd, bwd = np.asarray(self.fwd_time)[free], np.asarray(self.bwd_time)[free]
+        total = fwd.sum() + bwd.sum()
+        if not free.any() or total <= 0:
+            return None
+        return float((np.dot(f[free], fwd) + np.dot(b[free], bwd)) / total)
+
     # ------------------------------------------------------------------ whole step (DESIGN §7)
     @property
     def batch(self) -> int | None:
@@ -277,6 +326,9 @@ class Chain:
             d["fixed"] = self.fixed.to_dict()
         if self.batch_fit is not None:
             d["batch_fit"] = self.batch_fit.to_dict()
+        if self.tied:
+            d["tied"] = [list(t) for t in self.tied]
+            d["copy_spread"] = [list(c) for c in self.copy_spread]
         return d
 
     def to_json(self, path: str | os.PathLike | None = None, *, indent: int | None = 1) -> str:
@@ -298,6 +350,7 @@ class Chain:
             bandwidth=d.get("bandwidth"),
             groups=d.get("groups", ()), tags=d.get("tags"), shared=d.get("shared", ()), transit=d.get("transit"),
             consumed=d.get("consumed"), delta=d.get("delta"), nograd_tmp=d.get("nograd_tmp"),
+            tied=d.get("tied", ()), copy_spread=d.get("copy_spread", ()),
         )
 
     @classmethod
@@ -493,6 +546,35 @@ def _groups(groups: Any, L: int) -> tuple[tuple[str, int, int], ...]:
                                f"(..{out[-1][2]}); groups must be in order and must not overlap")
         out.append((name, first, last))
     return tuple(out)
+
+
+def _tied(tied: Any, L: int) -> tuple[tuple[int, ...], ...]:
+    out: list[tuple[int, ...]] = []
+    seen: set[int] = set()
+    for t in tied or ():
+        try:
+            stages = tuple(sorted(int(i) for i in t))
+        except (TypeError, ValueError):
+            raise InvalidChain(f"tied must be a list of lists of stage indices, got {t!r}") from None
+        if len(stages) < 2 or len(set(stages)) != len(stages) or stages[0] < 0 or stages[-1] >= L:
+            raise InvalidChain(f"each set in tied needs two or more distinct stages from 0 to {L - 1}, got {t!r}")
+        if seen & set(stages):
+            raise InvalidChain(f"the sets in tied must not overlap: stage(s) {sorted(seen & set(stages))} appear twice")
+        seen.update(stages)
+        out.append(stages)
+    return tuple(out)
+
+
+def _copy_spread(spread: Any, n: int) -> tuple[tuple[float, float], ...]:
+    try:
+        out = tuple((float(f), float(b)) for f, b in spread or ())
+    except (TypeError, ValueError):
+        raise InvalidChain(f"copy_spread must be a list of [fwd, bwd] pairs, got {spread!r}") from None
+    if len(out) != n:
+        raise InvalidChain(f"copy_spread has {len(out)} entries but tied has {n} sets; give one [fwd, bwd] per set")
+    if not all(math.isfinite(v) and v >= 0 for p in out for v in p):
+        raise InvalidChain(f"copy_spread values must be finite and non-negative, got {spread!r}")
+    return out
 
 
 def _tags(tags: Any, L: int) -> tuple[str, ...]:

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -43,7 +45,7 @@ from ..errors import DependencyError, HChainError, InfeasibleBudget, InvalidChai
 from .chain import Chain
 from .schedule import Op, Schedule
 from .simulate import simulate
-from .strategies import store_all
+from .strategies import baseline_frontier, store_all
 from .units import format_bytes, format_time, parse_bytes
 
 __all__ = ["Solution", "solve", "optimal_schedule"]
@@ -465,6 +467,41 @@ _FILL_LOCK = threading.Lock()
 PARALLEL_GUARDS: list[Callable[[], AbstractContextManager[Any]]] = []
 
 
+def _busy_cores() -> int:
+    """Cores other work is using now: runnable threads system-wide (``procs_running`` of ``/proc/stat``, an
+    instantaneous count, unlike the load average) less this one, the least of three looks a millisecond apart (a
+    thread of ours that is still spinning after the last parallel region counts once at most). 0 where unknown."""
+    least = None
+    try:
+        for k in range(3):
+            with open("/proc/stat", "rb") as f:
+                for line in f:
+                    if line.startswith(b"procs_running"):
+                        n = int(line.split()[1]) - 1
+                        least = n if least is None else min(least, n)
+                        break
+            if k < 2:
+                time.sleep(0.001)
+    except (OSError, ValueError):
+        return 0
+    return max(0, least or 0)
+
+
+def solver_threads(requested: int | None = None) -> int:
+    """How many threads a table fill uses: ``requested`` (capped at Numba's thread count), or by default the cores
+    this process may run on that nothing else is using now (at least 1, at most Numba's count). With a core taken,
+    OpenMP's barriers wait on a thread the busy core has descheduled: measured 2.8x slower than one thread at
+    L = 500 (``bench solver --threads``), so the default never counts on a busy core."""
+    top = _kernels()["threads"]()
+    if requested is not None:
+        return max(1, min(int(requested), top))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(top, cores - _busy_cores()))
+
+
 def _kernels() -> dict[str, Any]:
     """Compile (or load from Numba's on-disk cache) the kernels on first use."""
     if not _compiled:
@@ -481,7 +518,8 @@ def _kernels() -> dict[str, Any]:
         for name in ("_row", "_sub_at", "_take_chain", "_bounds", "_useful_end", "_chain_time", "_leaf", "_leaves",
                      "_finish", "_fill_table", "_rebuild", "_least_memory"):
             g[name] = numba.njit(**_NUMBA_OPTIONS, parallel=name == "_fill_table")(g[name])
-        _compiled.update(fill=_fill_table, rebuild=_rebuild, least=_least_memory, threads=numba.get_num_threads)
+        _compiled.update(fill=_fill_table, rebuild=_rebuild, least=_least_memory, threads=numba.get_num_threads,
+                         set_threads=numba.set_num_threads)
     return _compiled
 
 
@@ -498,6 +536,15 @@ class Solution:
 
     Budgets above ``max_budget`` are answered as ``max_budget``. A budget is rounded down to whole slots, so the
     answer for budget b is a schedule whose simulated peak is at most b.
+
+    Never behind a baseline that fits (DESIGN §10): rounding sizes up to whole slots can make the table's answer at
+    a budget slower than a :mod:`~hchain_viz.core.strategies` baseline whose exact peak fits it (at the baseline's
+    own peak, typically). ``makespan``, ``schedule``, ``frontier`` and ``min_budget`` therefore answer with the
+    fastest of the table's schedule and every baseline schedule whose simulated peak fits
+    (:func:`~hchain_viz.core.strategies.baseline_frontier`, computed on first use and cached per chain, shared with
+    the explorer's baseline points); a schedule's ``meta["source"]`` says which it is: ``"dp"`` or
+    ``"baseline:<family>(<setting>)"`` (e.g. ``"baseline:periodic(3)"``). For a single budget,
+    :func:`optimal_schedule` also re-solves at a finer resolution (``"dp-refined"``).
     """
 
     def __init__(self, chain: Chain, max_budget: int, slots: int, store_all_peak: int, sizes: dict[str, np.ndarray],
@@ -530,15 +577,46 @@ class Solution:
         self._best = best
         first = int(np.argmax(best >= 0)) if (best >= 0).any() else None
         self._dp_min = None if first is None else self._slot_bytes(first)
-        cands = [b for b in (self._dp_min, self.store_all_peak if self.store_all_peak <= self.max_budget else None)
-                 if b is not None]
-        self.min_budget: int | None = min(cands) if cands else None
+        self._cache: dict[str, Any] = {}  # the baselines, computed on first use (see _baselines)
         self._frozen = True
 
     def __setattr__(self, name: str, value: Any) -> None:
         if getattr(self, "_frozen", False):
             raise AttributeError(f"a Solution is read-only; solve again to change {name!r}")
         object.__setattr__(self, name, value)
+
+    @property
+    def min_budget(self) -> int | None:
+        """The least budget (bytes) with an answer: the table's least feasible budget at this resolution, or a
+        baseline's peak where one fits below it; None when nothing fits up to ``max_budget``."""
+        peaks = self._baselines()[0]
+        cands = [b for b in (self._dp_min, self.store_all_peak if self.store_all_peak <= self.max_budget else None,
+                             int(peaks[0]) if len(peaks) else None) if b is not None]
+        return min(cands) if cands else None
+
+    def _baselines(self) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """(peaks, makespans, entries) of the baselines' Pareto front up to ``max_budget``, peaks increasing."""
+        if "base" not in self._cache:
+            front = tuple(c for c in baseline_frontier(self.chain) if c[0] <= self.max_budget)
+            times = np.array([c[1] for c in front], np.float64)
+            sat = self._store_all_time  # as the table's times: within the tie margin of it is store-all time
+            times[times <= sat * (1.0 + _TIE_RTOL)] = sat
+            self._cache["base"] = (np.array([c[0] for c in front], np.int64), times, front)
+        return self._cache["base"]
+
+    def _answer(self, b: int) -> tuple[float, Any]:
+        """(makespan, which) at ``b`` bytes (at most ``max_budget``): ``which`` is ``"store_all"``, ``"dp"``, a
+        baseline entry ``(peak, makespan, label, schedule)`` that beats the table by more than the tie margin, or
+        None when nothing fits."""
+        if b >= self.store_all_peak:
+            return self._store_all_time, "store_all"
+        s = self._best[self._slots_of(b)]
+        t = float(self._t[s]) if s >= 0 else math.inf
+        peaks, times, front = self._baselines()
+        k = int(np.searchsorted(peaks, b, side="right")) - 1
+        if k >= 0 and times[k] < t:  # the exact minimum: makespan stays non-increasing in the budget
+            return float(times[k]), front[k]
+        return t, ("dp" if s >= 0 else None)
 
     # ---------------------------------------------------------------- budgets and slots
     @property
@@ -559,11 +637,7 @@ class Solution:
     # ---------------------------------------------------------------- answers
     def makespan(self, budget: int | str) -> float:
         """Least makespan (seconds) within ``budget`` bytes; ``inf`` when nothing fits."""
-        b = self._budget(budget)
-        if b >= self.store_all_peak:
-            return self._store_all_time
-        s = self._best[self._slots_of(b)]
-        return float(self._t[s]) if s >= 0 else math.inf
+        return self._answer(self._budget(budget))[0]
 
     def schedule(self, budget: int | str | None = None, *, device_memory: int | str | None = None,
                  margin: float = 0.05) -> Schedule:
@@ -585,12 +659,24 @@ class Solution:
             raise HChainError("schedule() needs a budget (activation bytes, e.g. '300MiB') or device_memory=...")
         requested = _read_bytes(budget)
         b = min(requested, self.max_budget)
-        meta = {"strategy": "optimal", "budget": requested, "slots": self.slots}
-        if b >= self.store_all_peak:  # store-all is optimal and exact here: no rounding, no recomputation
+        _, which = self._answer(b)
+        if which is None:
+            raise self._infeasible(requested)
+        meta = {"strategy": "optimal", "budget": requested, "slots": self.slots, "source": "dp"}
+        if which == "store_all":  # store-all is optimal and exact here: no rounding, no recomputation
             return self._finish(store_all(self.chain).ops, meta)
+        if which != "dp":  # a baseline that fits beats the rounded table here
+            meta["source"] = f"baseline:{which[2]}"
+            return self._finish(which[3].ops, meta)
+        return self._dp_schedule(b, meta)
+
+    def _dp_schedule(self, budget: int, meta: dict | None = None) -> Schedule:
+        """The table's own schedule at ``budget`` bytes (no baseline check; it must fit at this resolution)."""
+        b = min(budget, self.max_budget)
+        meta = {"strategy": "optimal", "budget": budget, "slots": self.slots, "source": "dp"} if meta is None else meta
         s = int(self._best[self._slots_of(b)])
         if s < 0:
-            raise self._infeasible(requested)
+            raise self._infeasible(budget)
         L = self.chain.length
         out = np.empty((L * (L + 1) // 2 + L + 2, 2), np.int32)  # at most L(L+1)/2 forwards
         sz = self._sizes
@@ -634,17 +720,15 @@ class Solution:
     def frontier(self) -> list[tuple[int, float]]:
         """Breakpoints ``(budget_bytes, makespan)`` of the time-memory trade-off: budgets increasing, makespans
         strictly decreasing; the first at ``min_budget``; empty when nothing fits up to ``max_budget``."""
-        points = []
-        prev = -1
-        for s in np.flatnonzero(self._best >= 0).tolist():
-            if self._best[s] != prev:
-                prev = self._best[s]
-                points.append((self._slot_bytes(int(prev)), float(self._t[prev])))
-        P = self.store_all_peak
-        if P <= self.max_budget:
-            points = [p for p in points if p[0] < P]
-            if not points or points[-1][1] > self._store_all_time:
-                points.append((P, self._store_all_time))
+        cands = {self._slot_bytes(int(s)) for s in np.unique(self._best[self._best >= 0]).tolist()}
+        cands.update(int(p) for p in self._baselines()[0])
+        if self.store_all_peak <= self.max_budget:
+            cands.add(self.store_all_peak)
+        points: list[tuple[int, float]] = []
+        for b in sorted(cands):  # the answer changes only at these budgets
+            t = self._answer(b)[0]
+            if t < (points[-1][1] if points else math.inf):
+                points.append((b, t))
         return points
 
     # ---------------------------------------------------------------- display
@@ -766,7 +850,7 @@ def least_budget(chain: Chain) -> int:
 
 
 def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *, offload: bool = False,
-          grid: Any = None) -> Solution:
+          grid: Any = None, threads: int | None = None) -> Solution:
     """Solve ``chain`` for every budget up to ``max_budget`` at once.
 
     ``offload=True``: also offload to host memory over ``chain.bandwidth`` (DESIGN §9) and return an
@@ -777,6 +861,8 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     ``max_budget``: bytes (int) or text like ``"300MiB"``; default the store-all peak, above which nothing gets
     faster. ``slots``: the memory resolution of the table (capped at ``max_budget``, which makes integer sizes
     exact). Time O(slots·L³), memory about ``slots·L²·5`` bytes while building (only the int16 choices are kept).
+    ``threads``: threads of the table fill (default: the free cores, see :func:`solver_threads`); the table does not
+    depend on it.
     """
     chain = _check_chain(chain)
     if offload:
@@ -809,31 +895,61 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     with _FILL_LOCK, contextlib.ExitStack() as guards:
         for guard in PARALLEL_GUARDS:
             guards.enter_context(guard())
-        k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
-                  sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch,
-                  k["threads"]())
+        before = k["threads"]()
+        n = solver_threads(threads)
+        k["set_threads"](n)  # the team of the fill's parallel loop (thread-local in Numba): no idle member to wait for
+        try:
+            k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
+                      sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, n)
+        finally:
+            k["set_threads"](before)
     D0 = D[0].copy()
     del C, D  # only the choices (and the answers D[., 0]) are kept
     return Solution(chain, max_budget, slots, peak, sizes, Cch, Dch, D0)
 
 
+# optimal_schedule's finer table: at most this much work (slots x L^3; L = 500 at 500 slots is 6e10, ~3 s) and this
+# many bytes while building.
+_REFINE_WORK = 1e10
+_REFINE_BYTES = 256 * 2**20
+
+
+def _refined_slots(chain: Chain, budget: int, slots: int) -> tuple[int, int]:
+    """(max_budget, slots) of optimal_schedule's table: a multiple of ``slots`` (so every size rounds up no more than
+    at ``slots``: the answer is never slower) as fine as the work and memory caps allow; exact (one slot per common
+    divisor of every size) when that fits."""
+    L = chain.length
+    z = dp_sizes(chain)
+    g = 0
+    for v in z.values():
+        g = math.gcd(g, *(int(a) for a in np.ravel(v)))
+    cap = int(min(_REFINE_WORK / L**3, _REFINE_BYTES / ((L * (L + 1) // 2 + L + 1) * 10)))
+    if g > 0 and budget // g <= max(cap, slots):  # exact: sizes and the budget in whole multiples of g
+        return budget // g * g, max(1, budget // g)
+    return budget, max(slots, cap // slots * slots)
+
+
 def optimal_schedule(chain: Chain, budget: int | str, slots: int = 500) -> Schedule:
-    """The optimal schedule for one budget (bytes or text like ``"300MiB"``), solved at that budget's resolution
-    (``solve(chain, max_budget=budget, slots=slots)``). Raises InfeasibleBudget when none fits."""
+    """The optimal schedule for one budget (bytes or text like ``"300MiB"``), narrowing the rounding gap of a
+    whole-range table: solved for this budget alone (``max_budget = budget``) at the finest resolution that costs
+    about a second (a multiple of ``slots``; exact where every size shares a divisor that makes it affordable), and
+    checked against every baseline that fits (DESIGN §10). ``meta["source"]``: ``"dp"`` (the table at ``slots``),
+    ``"dp-refined"`` (a finer one) or ``"baseline:<family>(<setting>)"``. Raises InfeasibleBudget when none fits."""
     chain = _check_chain(chain)
+    slots = _check_slots(slots)
     b = _read_bytes(budget)
-    if b < 1:
-        least = least_budget(chain)
-        raise InfeasibleBudget(f"a budget of {b} B fits nothing; the least feasible budget is {least} B "
-                               f"({_mib(least)})", min_budget=least, budget=b)
-    solution = solve(chain, max_budget=b, slots=slots)
-    if solution.min_budget is None:
-        least = least_budget(chain)
-        if least > b:
-            raise InfeasibleBudget(f"no schedule fits in a budget of {b} B ({_mib(b)}); the least feasible budget "
-                                   f"is {least} B ({_mib(least)})", min_budget=least, budget=b)
+    least = least_budget(chain)
+    if b < max(least, 1):
+        raise InfeasibleBudget(f"no schedule fits in a budget of {b} B ({_mib(b)}); the least feasible budget "
+                               f"is {least} B ({_mib(least)})", min_budget=least, budget=b)
+    top, fine = _refined_slots(chain, b, slots)
+    solution = solve(chain, max_budget=top, slots=fine)
+    if solution.min_budget is None or solution.min_budget > b:
         raise InfeasibleBudget(
             f"a budget of {b} B ({_mib(b)}) fits a schedule (the least feasible budget is {least} B) but not at the "
             f"resolution of {solution.slots} slots of {format_bytes(solution.unit)}, which round sizes up; pass more "
             f"slots or a slightly larger budget", min_budget=least, budget=b)
-    return solution.schedule(b)
+    out = solution.schedule(b)
+    if out.meta["source"] == "dp" and solution.slots > slots:
+        out.meta["source"] = "dp-refined"
+    return out

@@ -17,6 +17,10 @@ Transformer baselines, for chains whose stages are grouped into layers (``chain.
   ``"attn_core"``), which is recomputed in the backward.
 - :func:`layer_periodic` / :func:`best_layer_periodic`: ``checkpoint_sequential`` over whole layers (each ungrouped
   stage, such as the embedding or the head, counts as one unit beside the layers).
+- :func:`megatron_block` / :func:`megatron_uniform`: Megatron-LM's ``recompute_granularity="full"`` with
+  ``recompute_method="block"`` (the first k layers recomputed one by one, the rest stored) or ``"uniform"`` (the
+  layers in groups of k, each group recomputed as one unit); :func:`best_megatron_block` /
+  :func:`best_megatron_uniform` pick the fastest k that fits a budget.
 
 They are reference points: the optimal solver's frontier lies on or below every one of them. A family that needs
 structure the chain lacks raises :class:`HChainError` saying how to get it; :func:`applicable` names the families a
@@ -47,7 +51,8 @@ from .units import format_bytes, parse_bytes
 __all__ = [
     "store_all", "recompute_all", "periodic", "sqrt_n", "revolve", "chen_greedy", "best_periodic",
     "per_layer", "selective", "layer_periodic", "best_layer_periodic",
-    "STRATEGIES", "applicable", "baseline_schedules", "frontier_points", "pareto",
+    "megatron_block", "megatron_uniform", "best_megatron_block", "best_megatron_uniform",
+    "STRATEGIES", "applicable", "baseline_schedules", "frontier_points", "baseline_frontier", "pareto",
 ]
 
 ATTN_CORE = "attn_core"  # the tag of the stages Megatron's selective recomputation recomputes
@@ -150,6 +155,59 @@ def best_layer_periodic(chain: Chain, budget: Budget = None) -> Schedule:
     b = _parse_budget(budget)
     scored = [(_score(chain, layer_periodic(chain, n)), n) for n in range(1, len(_units(chain)) + 1)]
     return layer_periodic(chain, _pick(scored, b, "layer_periodic"))
+
+
+def megatron_block(chain: Chain, k: int) -> Schedule:
+    """Megatron-LM ``recompute_granularity="full", recompute_method="block", recompute_num_layers=k``.
+
+    The first ``k`` layers of ``chain.groups`` are each recomputed on their own (their input kept, the layer re-run
+    with autograd just before its backwards, as :func:`per_layer`); the other layers and every stage outside the
+    layers store what they save. ``k = 0`` is store-all, ``k`` = the number of layers is :func:`per_layer`.
+    """
+    layers = _need_groups(chain, "megatron_block")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= len(layers):
+        raise HChainError(f"k must be an integer from 0 to the number of layers ({len(layers)}), got {k!r}")
+    runs = [(first, last) for _, first, last in layers[:k]]
+    return _recompute_runs(chain, runs, {"strategy": "megatron_block", "k": k})
+
+
+def megatron_uniform(chain: Chain, k: int) -> Schedule:
+    """Megatron-LM ``recompute_granularity="full", recompute_method="uniform", recompute_num_layers=k``.
+
+    The layers of ``chain.groups`` are split in order into groups of ``k`` (the last may be smaller); each group
+    keeps only its input and is re-run with autograd as one unit just before its backwards. Stages outside the
+    layers store what they save. ``k = 1`` is :func:`per_layer`. A group never spans a gap between layers (a stage
+    outside every layer): it is cut there.
+    """
+    layers = _need_groups(chain, "megatron_uniform")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(layers):
+        raise HChainError(f"k must be an integer from 1 to the number of layers ({len(layers)}), got {k!r}")
+    runs: list[tuple[int, int]] = []
+    for n in range(0, len(layers), k):
+        _, start, end = layers[n]
+        for _, first, last in layers[n + 1:n + k]:
+            if first != end + 1:  # a stage outside the layers lies between: cut the group there
+                runs.append((start, end))
+                start = first
+            end = last
+        runs.append((start, end))
+    return _recompute_runs(chain, runs, {"strategy": "megatron_uniform", "k": k})
+
+
+def best_megatron_block(chain: Chain, budget: Budget = None) -> Schedule:
+    """The fastest :func:`megatron_block` schedule (over every k) whose simulated peak fits ``budget``."""
+    b = _parse_budget(budget)
+    n = len(_need_groups(chain, "megatron_block"))
+    scored = [(_score(chain, megatron_block(chain, k)), k) for k in range(n + 1)]
+    return megatron_block(chain, _pick(scored, b, "megatron_block"))
+
+
+def best_megatron_uniform(chain: Chain, budget: Budget = None) -> Schedule:
+    """The fastest :func:`megatron_uniform` schedule (over every k) whose simulated peak fits ``budget``."""
+    b = _parse_budget(budget)
+    n = len(_need_groups(chain, "megatron_uniform"))
+    scored = [(_score(chain, megatron_uniform(chain, k)), k) for k in range(1, n + 1)]
+    return megatron_uniform(chain, _pick(scored, b, "megatron_uniform"))
 
 
 def _need_groups(chain: Chain, name: str) -> tuple[tuple[str, int, int], ...]:
@@ -298,12 +356,16 @@ STRATEGIES: dict[str, Callable[..., Schedule]] = {
     "per_layer": _fixed(per_layer, "per_layer"),
     "selective": _fixed(selective, "selective"),
     "layer_periodic": best_layer_periodic,
+    "megatron_block": best_megatron_block,
+    "megatron_uniform": best_megatron_uniform,
 }
 
 # What each structure-dependent family needs from the chain (the others apply to every chain).
 _NEEDS: dict[str, Callable[[Chain], bool]] = {
     "per_layer": lambda chain: bool(chain.groups),
     "layer_periodic": lambda chain: bool(chain.groups),
+    "megatron_block": lambda chain: bool(chain.groups),
+    "megatron_uniform": lambda chain: bool(chain.groups),
     "selective": lambda chain: ATTN_CORE in chain.tags,
 }
 
@@ -330,27 +392,54 @@ def frontier_points(chain: Chain) -> dict[str, list[Point]]:
     """For each family, the (simulated peak bytes, makespan seconds) of every schedule it can produce.
 
     ``store_all``, ``sqrt_n``, ``recompute_all``, ``per_layer``, ``selective``: one point each; ``periodic`` and
-    ``layer_periodic``: one per segment count;
+    ``layer_periodic``: one per segment count; ``megatron_block`` / ``megatron_uniform``: one per k;
     ``revolve``: one per number of checkpoint slots (each is what some budget selects); ``chen_greedy``: one per
     distinct segmentation of the threshold sweep. On long chains periodic and revolve are sampled (every count up to
     32, then about 10% apart) to keep this interactive. Points are distinct and sorted by peak, then time; they are
     not filtered, so a family may contain dominated points (use :func:`pareto` to drop them). Cached per chain.
     """
+    return {name: sorted({(p, t) for p, t, _, _ in cands}) for name, cands in _candidates(chain).items()}
+
+
+@lru_cache(maxsize=16)
+def _candidates(chain: Chain) -> dict[str, list[tuple[int, float, str, Schedule]]]:
+    """Every schedule of every applicable family as ``(peak, makespan, label, schedule)``; labels like
+    ``"periodic(3)"`` name the setting (see :func:`frontier_points`)."""
     L = chain.length
-    schedules = {
-        "store_all": [store_all(chain)],
-        "periodic": [periodic(chain, n) for n in _sampled_counts(1, L)],
-        "sqrt_n": [sqrt_n(chain)],
-        "chen_greedy": [_chen_schedule(chain, s, t, None) for s, t in _chen_candidates(chain)],
-        "revolve": [_revolve_schedule(L, c, None) for c in _sampled_counts(0, max(0, L - 2))],
-        "recompute_all": [recompute_all(chain)],
+    families: dict[str, list[tuple[str, Schedule]]] = {
+        "store_all": [("store_all", store_all(chain))],
+        "periodic": [(f"periodic({n})", periodic(chain, n)) for n in _sampled_counts(1, L)],
+        "sqrt_n": [("sqrt_n", sqrt_n(chain))],
+        "chen_greedy": [(f"chen_greedy({len(st)})", _chen_schedule(chain, st, t, None))
+                        for st, t in _chen_candidates(chain)],
+        "revolve": [(f"revolve({c})", _revolve_schedule(L, c, None)) for c in _sampled_counts(0, max(0, L - 2))],
+        "recompute_all": [("recompute_all", recompute_all(chain))],
     }
     if _NEEDS["per_layer"](chain):
-        schedules["per_layer"] = [per_layer(chain)]
-        schedules["layer_periodic"] = [layer_periodic(chain, n) for n in _sampled_counts(1, len(_units(chain)))]
+        n = len(chain.groups)
+        families["per_layer"] = [("per_layer", per_layer(chain))]
+        families["layer_periodic"] = [(f"layer_periodic({k})", layer_periodic(chain, k))
+                                      for k in _sampled_counts(1, len(_units(chain)))]
+        families["megatron_block"] = [(f"megatron_block({k})", megatron_block(chain, k)) for k in range(n + 1)]
+        families["megatron_uniform"] = [(f"megatron_uniform({k})", megatron_uniform(chain, k))
+                                        for k in range(1, n + 1)]
     if _NEEDS["selective"](chain):
-        schedules["selective"] = [selective(chain)]
-    return {name: sorted({_score(chain, s) for s in ss}) for name, ss in schedules.items()}
+        families["selective"] = [("selective", selective(chain))]
+    return {name: [(*_score(chain, s), label, s) for label, s in ss] for name, ss in families.items()}
+
+
+@lru_cache(maxsize=16)
+def baseline_frontier(chain: Chain) -> tuple[tuple[int, float, str, Schedule], ...]:
+    """The Pareto front of every baseline schedule of every applicable family (:func:`frontier_points`), as
+    ``(peak, makespan, label, schedule)`` sorted by peak (makespans then strictly decrease): at a budget b, the
+    fastest baseline that fits is the last entry with ``peak <= b``. Cached per chain; what the optimal solver checks
+    its answers against (DESIGN §10)."""
+    every = sorted((c for cands in _candidates(chain).values() for c in cands), key=lambda c: (c[0], c[1], c[2]))
+    out: list[tuple[int, float, str, Schedule]] = []
+    for c in every:
+        if not out or c[1] < out[-1][1]:
+            out.append(c)
+    return tuple(out)
 
 
 def _sampled_counts(lo: int, hi: int) -> list[int]:

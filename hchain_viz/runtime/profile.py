@@ -34,6 +34,7 @@ as in training after the first step, so accumulating into it is measured as a tr
 
 from __future__ import annotations
 
+import re
 import statistics
 import warnings
 from collections.abc import Callable, Mapping
@@ -85,7 +86,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5,
             progress: bool = True, optimizer: torch.optim.Optimizer | None = None, world_size: int = 1,
             compile: bool | Mapping[str, Any] = False, granularity: str | int | None = None,
-            estimate_for: str | None = None) -> Chain:
+            estimate_for: str | None = None, tie_identical: bool = True) -> Chain:
     """Measure ``model`` stage by stage on ``sample_input`` and return its :class:`Chain`.
 
     ``model``: an ``nn.Sequential`` (nested ones flattened), a list of modules or ``(name, module)`` pairs, or any
@@ -115,6 +116,12 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     residual stream and the current value cross. The chain's ``groups`` (the stages of each layer) and ``tags``
     (``"attn_core"``) come from the extraction; ``shared`` lists the tensors that a stage passes on unchanged
     (same storage) across consecutive boundaries, such as the residual stream inside a layer or an attention mask.
+
+    ``tie_identical`` (default True): structurally identical stages (same module types, parameter shapes and input
+    shapes: the copies of a transformer layer, or of one of its sub-layer parts) get one cost, the median of their
+    measured times, so that noise never decides which copy is recomputed (DESIGN §10). ``Chain.tied`` lists them,
+    ``Chain.copy_spread`` keeps how much the copies differed and ``meta["untied_time"]`` the times as measured;
+    ``Chain.timing_note()`` says it in one line.
 
     ``Chain.meta`` records the device, dtype, ``param_bytes`` (parameters plus their gradients, reported beside the
     budget, not in it), model class, input shape, torch version and the profiling settings.
@@ -149,11 +156,13 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     bar = progress_bar(L, "profiling", "stage", enabled=progress)  # in a notebook, text once done
     # identity[i][j]: which tensor the j-th tensor of boundary value x[i] is (a stage may hand on its input's)
     identity: list[list[int]] = [list(range(len(tensors(sample_input))))]
+    signatures: list[Any] = []  # per stage, what makes two stages the same computation (see _signature)
     sizes = {j: nbytes(t) for j, t in enumerate(tensors(sample_input))}
     with preserved_state(modules + [m for _, m in stages], dev), bar:
         h = _leaves(sample_input)
         for i, ((name, module), stage) in enumerate(zip(stages, runners)):
             bar.set_postfix_str(name, refresh=False)
+            signatures.append(_signature(module, h, getattr(module, "tag", "") or ""))
             r = _StageProfile(name, stage, module, h, dev, loss_fn if i == L - 1 else None, candidates)
             r.run(warmup, repeats)
             transit[i], consumed[i] = (r.transit_in, r.consumed_in) if i > 0 else (0, 0)
@@ -204,6 +213,17 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
                     flops=[[f, b] for f, b, _, _ in counts])
         fwd = [roofline.estimate_time(gpu, meta["dtype"], f, n) for f, _, n, _ in counts]
         bwd = [roofline.estimate_time(gpu, meta["dtype"], b, n) for _, b, _, n in counts]
+    tied, copy_spread = _identical(signatures, xs, xbar), []
+    if tie_identical and tied:
+        meta["untied_time"] = {"fwd": list(fwd), "bwd": list(bwd)}
+        fwd, bwd = list(fwd), list(bwd)
+        for stages_ in tied:
+            copy_spread.append((_spread([fwd[i] for i in stages_]), _spread([bwd[i] for i in stages_])))
+            f, b = statistics.median(fwd[i] for i in stages_), statistics.median(bwd[i] for i in stages_)
+            for i in stages_:
+                fwd[i], bwd[i] = f, b
+    else:
+        tied = []
     fixed = None
     if optimizer is not None:
         fixed = fixed_memory(params, [m for _, m in stages], [b for m in modules for b in m.buffers()], optimizer,
@@ -211,7 +231,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     chain = Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
                   names=[n for n, _ in stages], meta=meta, fixed=fixed, groups=_groups(stages),
                   tags=[getattr(m, "tag", "") or "" for _, m in stages], shared=_shared(identity, sizes),
-                  transit=transit, consumed=consumed, delta=[*delta[:L], nbytes(r.grads)], nograd_tmp=ntmp)
+                  transit=transit, consumed=consumed, delta=[*delta[:L], nbytes(r.grads)], nograd_tmp=ntmp,
+                  tied=tied, copy_spread=copy_spread)
     _warn_if_noisy(chain)
     return chain
 
@@ -226,17 +247,38 @@ NOISY_SPREAD = 0.10
 
 
 def _warn_if_noisy(chain: Chain) -> None:
-    """Warn, naming the stages that varied most, when the chain's times varied by more than NOISY_SPREAD."""
-    spread = chain.time_spread
+    """Warn in one line, naming the stages that varied most, when the times that sharing a median over identical
+    copies does not steady (:attr:`Chain.untied_spread`) varied by more than NOISY_SPREAD across repeats."""
+    spread = chain.untied_spread
     if spread is None or spread <= NOISY_SPREAD:
         return
     s = chain.meta["time_spread"]
+    tied = {i for t in chain.tied for i in t}
     worst = sorted(((max(f, b), chain.fwd_time[i] * f + chain.bwd_time[i] * b, chain.names[i])
-                    for i, (f, b) in enumerate(zip(s["fwd"], s["bwd"]))), key=lambda t: -t[1])
-    named = ", ".join(f"{name} ±{100 * sp:.0f}%" for sp, _, name in worst[:5] if sp > NOISY_SPREAD)
+                    for i, (f, b) in enumerate(zip(s["fwd"], s["bwd"])) if i not in tied), key=lambda t: -t[1])
+    named = ", ".join(f"{name} ±{100 * sp:.0f}%" for sp, _, name in worst[:3] if sp > NOISY_SPREAD)
     warnings.warn(f"stage times varied by ±{100 * spread:.0f}% across the {chain.meta.get('repeats')} repeats "
-                  f"({named}): the machine looks busy, so makespans are uncertain by about as much. Profile again on "
-                  f"a quiet machine, or with more repeats.", TimingWarning, stacklevel=3)
+                  f"({named}): a busy machine? profile again, or with more repeats", TimingWarning, stacklevel=3)
+
+
+def _signature(module: nn.Module, h: Any, tag: str) -> Any:
+    """What makes two stages the same computation: module types, parameter shapes and dtypes, input shapes and
+    dtypes, the tag, and for a traced stage its code without numbers (``h_3_attn`` reads ``h_attn``, ``layer_norm_1``
+    ``layer_norm``: tracing numbers layers and repeated node names; shapes are compared apart)."""
+    code = getattr(module, "code", None)
+    return (tag, tuple(type(m).__qualname__ for m in module.modules()),
+            tuple((tuple(p.shape), str(p.dtype)) for p in module.parameters()),
+            tuple((tuple(t.shape), str(t.dtype), t.requires_grad) for t in tensors(h)),
+            re.sub(r"_?\d+", "", code) if isinstance(code, str) else None)
+
+
+def _identical(signatures: list[Any], xs: list[int], xbar: list[int]) -> list[tuple[int, ...]]:
+    """Sets (two or more) of stages with the same signature and the same measured sizes (a check that they are the
+    same computation: output and saved bytes)."""
+    by: dict[Any, list[int]] = {}
+    for i, sig in enumerate(signatures):
+        by.setdefault((sig, xs[i + 1], xbar[i]), []).append(i)
+    return [tuple(v) for v in by.values() if len(v) > 1]
 
 
 class _StageProfile:
