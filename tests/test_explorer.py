@@ -104,10 +104,15 @@ def test_the_page_gets_the_figures_on_screen(ex, solution):
 def test_the_header_says_how_noisy_the_times_are(chain, solution):
     import dataclasses
 
-    assert "times ±" not in Explorer(chain, solution=solution, baselines=False).widget.children[0].value
-    noisy = dataclasses.replace(chain, meta={"time_spread": {"fwd": [0.18] * 8, "bwd": [0.18] * 8}})
+    assert "±" not in Explorer(chain, solution=solution, baselines=False).widget.children[0].value
+    noisy = dataclasses.replace(chain, meta={"time_spread": {"fwd": [0.18] * 8, "bwd": [0.18] * 8}, "repeats": 5})
     head = Explorer(noisy, baselines=False).widget.children[0]
-    assert "times ±18% between repeats" in head.value  # one phrase in the header, not a warning box
+    assert "stage times varied ±18% across 5 repeats" in head.value  # one phrase in the header, not a warning box
+    # identical stages share their median: the header says how many and how far their copies differed
+    tied = dataclasses.replace(noisy, tied=((2, 3, 4),), copy_spread=((0.4, 0.1),))
+    head = Explorer(tied, baselines=False).widget.children[0]
+    assert "3 identical stages in 1 kind share their median time (copies differed by up to ±40%)" in head.value
+    assert "other stage times varied" in head.value
 
 
 def test_infeasible_budget_is_refused_and_nothing_changes(ex):
