@@ -422,7 +422,7 @@ def test_teaching_chains_are_drawn_in_units_not_seconds_and_bytes():
 
 
 def test_frontier_marks_baseline_points_beyond_its_axes_on_the_edge():
-    chain = hcv.Chain.random(12, seed=3)
+    chain = hcv.Chain.random(12, seed=8)  # a chain whose recompute-all is off the chart
     fig = F.frontier(hcv.solve(chain))
     beyond = next(t for t in fig.data if t.name == "beyond the axes")
     (x_lo, x_hi), (y_lo, y_hi) = fig.layout.xaxis.range, fig.layout.yaxis.range

@@ -262,21 +262,7 @@ def _mlp():
 
 @pytest.mark.slow
 def test_distributed_data_parallel_on_an_applied_model_gloo_two_processes(tmp_path):
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    if not dist.is_available():
-        pytest.skip("torch.distributed missing")
-    model, x, y = _mlp()
-    chain = hcv.profile(model, x.chunk(2)[0], warmup=0, repeats=1, progress=False)
-    schedule = hcv.solve(chain).schedule(hcv.solve(chain).min_budget)
-    assert schedule.n_recomputed > 0
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), schedule.to_json()), nprocs=2)
-    for rank in range(2):
-        record = torch.load(tmp_path / f"rank{rank}.pt")
-        (lp, wp), (la, wa) = record["plain"], record["applied"]
-        assert all(torch.equal(a, b) for a, b in zip(la, lp))
-        assert all(torch.equal(a, b) for a, b in zip(wa, wp))
+    _two_ranks_train_like_plain(_ddp_worker, tmp_path)
 
 
 
@@ -315,6 +301,12 @@ def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, schedule_j
 
 @pytest.mark.slow
 def test_fsdp2_fully_shard_then_apply_gloo_two_processes(tmp_path):
+    _two_ranks_train_like_plain(_fsdp_worker, tmp_path)
+
+
+def _two_ranks_train_like_plain(worker, tmp_path) -> None:
+    """Run ``worker`` on two gloo ranks with a recomputing schedule of ``_mlp``; each rank's losses and parameters
+    of the applied model must equal the plain model's bitwise."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -322,9 +314,10 @@ def test_fsdp2_fully_shard_then_apply_gloo_two_processes(tmp_path):
         pytest.skip("torch.distributed missing")
     model, x, y = _mlp()
     chain = hcv.profile(model, x.chunk(2)[0], warmup=0, repeats=1, progress=False)
-    schedule = hcv.solve(chain).schedule(hcv.solve(chain).min_budget)
+    solution = hcv.solve(chain)
+    schedule = solution.schedule(solution.min_budget)
     assert schedule.n_recomputed > 0
-    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), schedule.to_json()), nprocs=2)
+    mp.spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path), schedule.to_json()), nprocs=2)
     for rank in range(2):
         record = torch.load(tmp_path / f"rank{rank}.pt")
         (lp, wp), (la, wa) = record["plain"], record["applied"]

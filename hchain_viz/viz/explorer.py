@@ -504,8 +504,8 @@ class Explorer:
         # one line on how far the times can be trusted: identical stages sharing their median, and the rest's spread
         note = self.chain.timing_note()
         noise = "" if note is None else (
-            f" · <span title='predicted times are as uncertain as the profiled ones; identical stages share one cost so "
-            f"that noise does not choose which copy is recomputed; profile again on a quiet machine'>{note}</span>")
+            f" · <span title='predicted times are as uncertain as the profiled ones; identical stages share one cost "
+            f"so that noise does not choose which copy is recomputed; profile again on a quiet machine'>{note}</span>")
         # a chain profiled with compile=True says so: its times and sizes are those of the compiled stages
         compiled = " (compiled stages, torch.compile)" if self.chain.meta.get("compile") else ""
         head = W.HTML(layout=W.Layout(min_width="0"))
