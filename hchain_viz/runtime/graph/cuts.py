@@ -130,8 +130,10 @@ class _Cuts:
             u for u in self._units[a: b + 1] if u not in self._glue and self._is_block(u))))
         roles = []
         for i, (x, y) in enumerate(parts):
-            paths = [self.owner(n) for n in self.order[x: y + 1] if self._heavy(n) == "weight"]
+            paths = [self._weight_module(self.owner(n), block) for n in self.order[x: y + 1]
+                     if self._heavy(n) == "weight"]
             paths = [p[len(block) + 1:] if block and p.startswith(block + ".") else p for p in paths if p]
+            paths = list(dict.fromkeys(paths))
             common = _common_path(paths)
             roles.append(common or (f"{paths[0]}..{paths[-1]}" if paths else f"part{i}"))
         counts = {r: roles.count(r) for r in roles}
@@ -141,6 +143,19 @@ class _Cuts:
                 seen[r] = seen.get(r, 0) + 1
                 roles[i] = f"{r}#{seen[r]}"
         return roles
+
+    def _weight_module(self, path: str, block: str) -> str:
+        """The module a weight is named by: its own (``conv2``), or, inside the block, the wrapper whose only
+        weight it is (Inception's ``branch5x5_2`` for ``branch5x5_2.conv``, resnet's ``downsample`` for
+        ``downsample.0``)."""
+        while "." in path and path.rsplit(".", 1)[0] != block:
+            parent = self._module(path.rsplit(".", 1)[0])
+            weights = [m for m in parent.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
+                       and m.weight.dim() >= 2] if parent is not None else []
+            if len(weights) != 1:
+                break
+            path = path.rsplit(".", 1)[0]
+        return path
 
     # -- module cuts -----------------------------------------------------------------------------------------------
 
