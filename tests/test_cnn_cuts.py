@@ -234,3 +234,21 @@ def test_a_block_that_writes_into_its_input_stays_whole():
     assert not any(n.startswith("layer1.1.") for n in names), names
     inside = [s for _, s in stages if "layer1.1" in s.code or "layer1_1" in s.code]
     assert len(inside) == 1, names
+
+
+def test_bench_replays_checkpoint_sequential_over_the_children_on_a_finer_chain():
+    """bench models --cnn: checkpoint_sequential(children, n)'s segments start, in a sub-layer chain, at the first
+    stage of the child that starts them; one starting inside the stem starts with the chain, inside the head with
+    the head."""
+    from hchain_viz.bench.models import _starts
+
+    user = [(n, nn.Identity()) for n in ("conv1", "bn1+relu", "maxpool", "layer1", "layer2", "avgpool", "fc")]
+    names = ("stem", "layer1.0.conv1", "layer1.0.conv2", "layer1.1.conv1", "layer2.0.conv1", "layer2.0.conv2", "head")
+    assert _starts(user, names, 1) == (0,)
+    assert _starts(user, names, 2) == (0, 1)  # children 0-2 | 3-6: layer1 starts at layer1.0.conv1 (not at a
+    # stage whose path merely contains "conv1")
+    assert _starts(user, names, 3) == (0, 4)  # 0-1 | 2-3 | 4-6: maxpool lies in the stem, layer2 at layer2.0.conv1
+    assert _starts(user, names, 7) == (0, 1, 4, 6)  # avgpool and fc both in the head
+    dense = [(n, nn.Identity()) for n in ("conv0", "norm0+relu0", "denseblock1", "transition1", "norm5")]
+    assert _starts(dense, ("features.conv0", "features.norm0+features.relu0", "features.denseblock1",
+                           "features.transition1.conv", "features.norm5"), 5) == (0, 1, 2, 3, 4)

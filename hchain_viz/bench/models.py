@@ -341,12 +341,15 @@ def _starts(user: list[tuple[str, nn.Module]], names: tuple[str, ...], segments:
     stages are named after the children (``layer1``, ``layer1.0``, ``layer1.0.conv2``; ``stem`` and ``head`` hold
     the children before the first and after the last one named). A segment that would start inside the stem starts
     with the chain, one inside the head with the head (those children are small: a ReLU, a pooling, a flatten)."""
-    child_names = [n for n, _ in user]
+    child_names = [n.split("+")[0] for n, _ in user]  # ("bn1+relu": children joined)
     owner: list[int | None] = []
     for name in names:
-        parts = [f".{part}." for part in name.split("+")]  # ("features.norm0+features.relu0": fused stages)
-        owner.append(next((k for k, c in enumerate(child_names)
-                           if any(f".{c.split('+')[0]}." in f".{part}" for part in parts)), None))
+        # the child the stage's path starts with, once leading containers are dropped ("features.denseblock1")
+        path, found = name.split("+")[0].split("."), None
+        while path and found is None:
+            found = next((k for k, c in enumerate(child_names) if path[: c.count(".") + 1] == c.split(".")), None)
+            path = path[1:]
+        owner.append(found)
     named = [o for o in owner if o is not None]
     first, last = (min(named), max(named)) if named else (0, len(user) - 1)
     owner = [o if o is not None else (first - 1 if j < owner.index(first) else last + 1) if named else 0
