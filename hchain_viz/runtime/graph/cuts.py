@@ -1,7 +1,9 @@
 """Which cuts a chain uses. Module granularity: the cuts in front of each block (a transformer layer, a residual
 block), found from the module each op belongs to. Sub-layer granularity: each block cut again between its heavy ops
-(projections, attention products, softmax), where a few tensors cross. A mixin of ``_Plan`` (plan.py), whose
-analysis (``order``, ``crossing``, ``param``, ``const``, ``info``) it reads."""
+(projections, convolutions, attention products, softmax), where a few tensors cross: the residual stream or a
+residual block's input beside the current value, or a dense block's feature maps so far (values only concatenations
+still read, counted as one however many). A mixin of ``_Plan`` (plan.py), whose analysis (``order``, ``crossing``,
+``param``, ``const``, ``info``) it reads."""
 
 from __future__ import annotations
 
