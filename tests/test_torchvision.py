@@ -78,3 +78,84 @@ def test_timm_model_trains_by_an_optimal_schedule(name, kwargs):
     model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
     chain, _ = _trains_like_eager(model, torch.randn(2, 3, 32, 32))
     assert chain.length >= 8, chain.names
+
+
+def _sublayer_sweep(model, x):
+    """Sub-layer chain: train one step at four budgets from the least to store-all, gradients bitwise equal to
+    eager's, each measured peak at or below its prediction."""
+    from torch import nn
+
+    from hchain_viz.runtime.graph import extract_stages
+    from hchain_viz.runtime.measure import measure
+
+    loss_fn = lambda out: out.float().pow(2).mean()  # noqa: E731
+    model.train()
+    chain = hcv.profile(model, x, loss_fn, warmup=0, repeats=1, progress=False, granularity="sublayer")
+    stages = extract_stages(model, x, granularity="sublayer")
+    seq = nn.Sequential(*[m for _, m in stages])
+    sol = hcv.solve(chain)
+    lo, hi = sol.min_budget, sol.store_all_peak
+    for budget in (lo, lo + (hi - lo) // 3, lo + 2 * (hi - lo) // 3, hi):
+        schedule = sol.schedule(budget)
+        twin = copy.deepcopy(model)
+        torch.manual_seed(3)
+        loss_fn(hcv.wrap(seq, schedule)(x)).backward()
+        torch.manual_seed(3)
+        loss_fn(twin(x)).backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), (budget, name)
+        model.zero_grad(set_to_none=True)
+        measured = measure(hcv.wrap(seq, schedule), x, loss_fn, repeats=1).peak_bytes
+        # At or below the prediction, but for one 4 KiB page: timm resnet26 once measured 47,731,032 B against a
+        # predicted 47,726,936 B (+4096 B of 45.5 MiB; within it in another run), as test_profile's LLaMA does.
+        assert measured <= 1.0001 * hcv.simulate(chain, schedule).peak_memory, budget
+    return chain, stages
+
+
+# name -> (stages at module granularity (the structural chain), stages at "sublayer", names that must appear)
+CNN_SUBLAYER = {
+    "resnet50": (22, 54, ["layer1.0.conv1", "layer1.0.downsample", "layer3.2.conv2", "layer4.2.conv3"]),
+    "densenet121": (20, 121, ["denseblock1.denselayer1.conv1", "denseblock2.denselayer5.conv2", "transition3",
+                              "denseblock4.denselayer16.conv2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(CNN_SUBLAYER))
+def test_torchvision_cnn_blocks_cut_inside_at_sublayer(name):
+    """Residual bottlenecks and dense blocks are cut after each convolution (the skip, or the feature maps so far,
+    beside the current value), grouped by block, and train bitwise like eager within the predicted peak."""
+    torchvision = _import("torchvision")
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)(weights=None, num_classes=10)
+    x = torch.randn(2, 3, 32, 32)
+    module, sublayer, expected = CNN_SUBLAYER[name]
+    assert len(hcv.sequentialize(model, x)) == module  # the structural chain stays the default
+    chain, stages = _sublayer_sweep(model, x)
+    assert chain.length == sublayer and set(expected) <= set(chain.names), chain.names
+    for stage_name, stage in stages[1:-1]:  # each stage of a block is grouped under that block
+        assert stage.group is not None and stage_name.startswith(stage.group + ".") or stage_name == stage.group
+
+
+def test_timm_resnet_blocks_cut_inside_at_sublayer():
+    timm = _import("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("resnet26", pretrained=False, num_classes=10)
+    chain, _ = _sublayer_sweep(model, torch.randn(2, 3, 32, 32))
+    assert {"layer1.0.conv1", "layer1.0.conv2", "layer1.0.conv3", "layer1.0.downsample"} <= set(chain.names)
+
+
+def test_inception_branches_read_well_at_sublayer():
+    torchvision = _import("torchvision")
+    from hchain_viz.runtime.graph import extract_stages
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = torchvision.models.inception_v3(weights=None, num_classes=10, aux_logits=False, init_weights=False)
+    stages = extract_stages(model, torch.randn(2, 3, 80, 80), granularity="sublayer")
+    names = [n for n, _ in stages]
+    assert len(names) == len(set(names)) > 60
+    assert {"Mixed_5b.branch5x5_2", "Mixed_6e.branch7x7dbl_4", "Mixed_7c.branch_pool"} <= set(names), names
+    assert not any(".conv" in n or ".bn" in n for n in names), names  # a branch's BasicConv2d reads as the branch
+    groups = [s.group for _, s in stages if s.group and s.group.startswith("Mixed_")]
+    assert groups == sorted(groups, key=groups.index) and len(set(groups)) == 11  # contiguous, one per Mixed block

@@ -85,7 +85,7 @@ FAMILIES: dict[str, Family] = {
                          "(issue 23, open)"),
     "gptj": Family("GPTJConfig", "GPTJForCausalLM", dict(vocab_size=V, n_embd=H, n_layer=LAYERS, n_head=4,
                                                          rotary_dim=4, n_positions=64), "lm",
-                   {"h.{}": FUSED[1:]},  # no cut between the projections and attention: q, k, v rotate apart
+                   {"h.{}": FUSED},  # q and k rotate in halves joined by a cat: those halves cross as one value
                    over=H * SEQ * BATCH * 4, why="as Falcon: a parallel block (issue 23, open)"),
     # decoders, mixture of experts
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(GQA, num_local_experts=4, num_experts_per_tok=2),

@@ -13,6 +13,15 @@ Hugging Face GPT-2 and torchvision resnet18 / densenet121, all with random weigh
 
     python -m hchain_viz bench models [--models resnet_skip,nanogpt,gpt2,resnet18,densenet121] [--rounds 3]
                                       [--budgets 4] [--no-train] [--threads 0]
+
+With ``--cnn`` (issue #26) it benches real torchvision CNNs instead (``--cnn-models resnet50,densenet121,
+inception_v3``, batch 4 at 128-160 px) at ``module`` and ``sublayer`` granularity. The baseline is what users run:
+``checkpoint_sequential`` over the model's top-level children (``model.features``' children for a DenseNet), each
+Pareto-efficient segment count n (measured peak, step time). At n's measured peak the optimum is solved on the
+granular chain; per granularity the table gives the stages, the least feasible budget (the solver's, and its ratio
+to module granularity's), and the mean gain over the Pareto-efficient n, measured (interleaved rounds, all
+granularities in the same rounds) and simulated (the optimum's predicted step time against checkpoint_sequential's
+on a profile of the user's chain). ``docs/cnn.md`` has the table and what it shows.
 """
 
 from __future__ import annotations
@@ -42,9 +51,18 @@ def run(args: list[str]) -> None:
                                                                "checkpoint_sequential peaks")
     parser.add_argument("--no-train", action="store_true", help="extraction only (skip the training comparison)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
+    parser.add_argument("--cnn", action="store_true", help="bench real torchvision CNNs at module and sublayer "
+                                                           "granularity against checkpoint_sequential (issue #26)")
+    parser.add_argument("--cnn-models", default=",".join(CNN), help="with --cnn: from " + ", ".join(CNN))
+    parser.add_argument("--image", type=positive_int, default=0, help="with --cnn: image side (0: 128, 160 for "
+                                                                      "inception_v3)")
+    parser.add_argument("--batch", type=positive_int, default=4, help="with --cnn: batch size")
     opts = parser.parse_args(args)
     if opts.threads:
         torch.set_num_threads(opts.threads)
+    if opts.cnn:
+        _run_cnn(opts)
+        return
 
     print(f"models benchmark: torch {torch.__version__}, cpu, {torch.get_num_threads()} threads"
           + ("" if opts.no_train else f", step times: median of {opts.rounds} interleaved rounds, peaks measured "
@@ -189,3 +207,168 @@ BUILDERS: dict[str, Callable[[], tuple]] = {
     "densenet121": _torchvision("densenet121"),
 }
 
+
+
+# ---------------------------------------------------------------------------------------------- --cnn (issue #26)
+CNN = ("resnet50", "densenet121", "inception_v3")
+GRANULARITIES = ("module", "sublayer")
+
+
+def _run_cnn(opts: Any) -> None:
+    print(f"CNN benchmark: torch {torch.__version__}, cpu, {torch.get_num_threads()} threads, batch {opts.batch}, "
+          f"step times: median of {opts.rounds} interleaved rounds, peaks measured with hchain_viz.measure; baseline: "
+          f"checkpoint_sequential over the top-level children")
+    head = ("model", "input", "granularity", "stages", "least budget", "vs module", "ckpt_seq Pareto n",
+            "measured gain", "simulated gain", "measured / simulated", "ceiling (store-all)")
+    rows = []
+    for name in (n.strip() for n in opts.cnn_models.split(",") if n.strip()):
+        if name not in CNN:
+            raise SystemExit(f"unknown CNN {name!r}; choose from {', '.join(CNN)}")
+        try:
+            rows += _bench_cnn(name, opts)
+        except _Unavailable as exc:
+            rows.append((name, "", f"skipped: {exc}", *[""] * 8))
+    print()
+    print_table(head, rows, left=3)
+
+
+def _user_stages(name: str, model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """What users hand ``checkpoint_sequential``: the top-level children in forward order, with the forward's
+    functional bits as modules (flatten; DenseNet's final ReLU and pooling); a DenseNet's ``features`` is opened
+    (``checkpoint_sequential(model.features, n, x)`` is how it is checkpointed by hand). A child that overwrites its
+    input (ResNet's ``relu``, ReLU(inplace=True)) joins the one before it: at a segment boundary it would overwrite a
+    checkpoint, and backward fails (the fix a user makes after that error)."""
+    from ..runtime.stages import _declares_inplace, _fuse_marked
+
+    if name.startswith("densenet"):
+        stages = [*model.features.named_children(), ("relu", nn.ReLU()), ("pool", nn.AdaptiveAvgPool2d(1)),
+                  ("flatten", nn.Flatten(1)), ("classifier", model.classifier)]
+    else:
+        kids = [(n, m) for n, m in model.named_children() if n not in ("fc", "AuxLogits")]
+        stages = [*kids, ("flatten", nn.Flatten(1)), ("fc", model.fc)]
+    return _fuse_marked(stages, [_declares_inplace(m) for _, m in stages])
+
+
+def _bench_cnn(name: str, opts: Any) -> list[tuple]:
+    from ..core.simulate import simulate
+    from ..core.strategies import _segmented, store_all
+    from ..runtime.measure import fresh_copy, measure
+    from ..runtime.profile import profile
+    from ..runtime.stages import sequentialize
+    from ..runtime.wrap import wrap
+    from . import optimal_at
+    from .train import _CheckpointSequential, _interleaved_times
+
+    try:
+        import torchvision
+    except Exception as exc:
+        raise _Unavailable(f"torchvision ({type(exc).__name__})") from None
+    side = opts.image or (160 if name == "inception_v3" else 128)
+    torch.manual_seed(0)
+    extra = {"aux_logits": False, "init_weights": False} if name == "inception_v3" else {}
+    model = getattr(torchvision.models, name)(weights=None, num_classes=10, **extra).train()
+    x, target = torch.randn(opts.batch, 3, side, side), torch.randint(0, 10, (opts.batch,))
+    loss_fn = _cross_entropy(target)
+    shape = f"{opts.batch}x3x{side}x{side}"
+
+    user = _user_stages(name, model)
+    seq = nn.Sequential(*[m for _, m in user])
+    with torch.random.fork_rng():
+        model.eval()
+        torch.manual_seed(0)
+        want = model(x)
+        torch.manual_seed(0)
+        got = seq(x)
+        model.train()
+    if not torch.allclose(want, got, rtol=1e-4, atol=1e-5):
+        raise AssertionError(f"{name}: the top-level children in order do not reproduce the model")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L = len(seq)
+        ckpt = [_CheckpointSequential(seq, n) for n in range(1, L + 1)]
+        ckpt_peaks = [measure(m, x, loss_fn, repeats=1).peak_bytes for m in ckpt]
+        per_g = []  # (granularity, stages, chain, least budget, {budget: (module, predicted time)}, ckpt predicted)
+        for g in GRANULARITIES:
+            stages = sequentialize(model, x) if g == "module" else sequentialize(model, x, granularity=g)
+            chain = profile(stages, x, loss_fn, progress=False)
+            least = solve_least(chain)
+            g_seq = nn.Sequential(*[m for _, m in stages])
+            runs = {}
+            for b in sorted(set(ckpt_peaks)):
+                if b >= least:
+                    schedule = optimal_at(chain, b)
+                    runs[b] = (wrap(g_seq, schedule), simulate(chain, schedule).makespan)
+            # checkpoint_sequential over the top-level children, replayed on this very profile (two profiles of a
+            # busy machine differ by more than the gains): its segments start where those children start
+            ckpt_sim = [simulate(chain, _segmented(chain, _starts(user, chain.names, n), {})).makespan
+                        for n in range(1, L + 1)]
+            per_g.append((g, len(stages), chain, least, runs, ckpt_sim))
+    modules = list(ckpt) + [m for entry in per_g for m, _ in entry[4].values()]
+    times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
+    for p in model.parameters():
+        p.grad = None
+    ckpt_times = times[:L]
+    keep = pareto_efficient(list(zip(ckpt_peaks, ckpt_times)))
+    offset, rows = L, []
+    module_least = per_g[0][3]
+    for g, n_stages, chain, least, runs, ckpt_sim in per_g:
+        opt_times = dict(zip(runs, times[offset: offset + len(runs)]))
+        offset += len(runs)
+        opt_peaks = {b: measure(m, x, loss_fn, repeats=1).peak_bytes for b, (m, _) in runs.items()}
+        measured, simulated, ceiling, points = [], [], [], 0
+        store_all_time = simulate(chain, store_all(chain)).makespan  # no schedule is faster (nothing recomputed)
+        for n in range(L):
+            if not keep[n]:
+                continue
+            points += 1
+            b = ckpt_peaks[n]
+            if b not in runs:
+                continue  # below this chain's least budget: the optimum cannot run there
+            assert opt_peaks[b] <= b, (name, g, n + 1)  # measured within the baseline's measured peak
+            measured.append(ckpt_times[n] / opt_times[b] - 1.0)
+            simulated.append(ckpt_sim[n] / runs[b][1] - 1.0)
+            ceiling.append(ckpt_sim[n] / store_all_time - 1.0)
+        mean = lambda v: statistics.mean(v) if v else float("nan")  # noqa: E731
+        m_gain, s_gain = mean(measured), mean(simulated)
+        rows.append((name, shape, g, str(n_stages), _mib(least), f"{module_least / least:.2f}x",
+                     f"{len(measured)}/{points}", f"{100 * m_gain:+.1f}%", f"{100 * s_gain:+.1f}%",
+                     f"{m_gain / s_gain:.2f}" if s_gain else "n/a", f"{100 * mean(ceiling):+.1f}%"))
+    return rows
+
+
+def _starts(user: list[tuple[str, nn.Module]], names: tuple[str, ...], segments: int) -> tuple[int, ...]:
+    """The first stage of each of ``checkpoint_sequential(children, segments)``'s segments in a finer chain whose
+    stages are named after the children (``layer1``, ``layer1.0``, ``layer1.0.conv2``; ``stem`` and ``head`` hold
+    the children before the first and after the last one named). A segment that would start inside the stem starts
+    with the chain, one inside the head with the head (those children are small: a ReLU, a pooling, a flatten)."""
+    child_names = [n.split("+")[0] for n, _ in user]  # ("bn1+relu": children joined)
+    owner: list[int | None] = []
+    for name in names:
+        # the child the stage's path starts with, once leading containers are dropped ("features.denseblock1")
+        path, found = name.split("+")[0].split("."), None
+        while path and found is None:
+            found = next((k for k, c in enumerate(child_names) if path[: c.count(".") + 1] == c.split(".")), None)
+            path = path[1:]
+        owner.append(found)
+    named = [o for o in owner if o is not None]
+    first, last = (min(named), max(named)) if named else (0, len(user) - 1)
+    owner = [o if o is not None else (first - 1 if j < owner.index(first) else last + 1) if named else 0
+             for j, o in enumerate(owner)]
+    size = len(user) // segments
+    starts = {0}
+    for s in range(size, size * segments, size):
+        j = next((j for j, o in enumerate(owner) if o >= s), None)
+        if j is not None:
+            starts.add(j)
+    return tuple(sorted(starts))
+
+
+def solve_least(chain: Any) -> int:
+    """The least budget at which the optimum exists (the solver's least, within a slot's rounding)."""
+    from ..core.solver import solve
+
+    return solve(chain).min_budget
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"

@@ -44,7 +44,9 @@ def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | in
 
     ``sample_input`` (optional) lets the structure be checked: the composed stages must reproduce ``model``'s
     output, and stages that write into their input are detected by its version counter. Without a recognised
-    structure it is required, for graph extraction; ``granularity`` is passed on to that extraction only.
+    structure it is required, for graph extraction; ``granularity`` is passed on to that extraction only, and
+    a torchvision-style model given a granularity finer than ``"module"`` is extracted from its graph too (its
+    residual and dense blocks cut inside, see ``extract_stages``).
     The modules in the list are ``model``'s own (parameters shared, nothing copied); fused stages and the
     functional glue of torchvision models (``flatten``) are new parameter-free wrappers.
     """
@@ -63,6 +65,10 @@ def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | in
         cached = cached_stages(model) if granularity is None else cached_stages(model, granularity)
         if cached is not None:
             return cached
+    if kind == "duck" and sample_input is not None and granularity not in (None, "module"):
+        # Finer than whole blocks (cuts inside a residual or dense block, balanced stages): the model's graph.
+        return _extract(model, sample_input, granularity,
+                        why=f"granularity={granularity!r} cuts inside the blocks of the {type(model).__name__}")
     if stages is None:
         if sample_input is None:
             raise NotSequentialError(

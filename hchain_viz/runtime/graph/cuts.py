@@ -1,7 +1,9 @@
 """Which cuts a chain uses. Module granularity: the cuts in front of each block (a transformer layer, a residual
 block), found from the module each op belongs to. Sub-layer granularity: each block cut again between its heavy ops
-(projections, attention products, softmax), where a few tensors cross. A mixin of ``_Plan`` (plan.py), whose
-analysis (``order``, ``crossing``, ``param``, ``const``, ``info``) it reads."""
+(projections, convolutions, attention products, softmax), where a few tensors cross: the residual stream or a
+residual block's input beside the current value, or a dense block's feature maps so far (values only concatenations
+still read, counted as one however many). A mixin of ``_Plan`` (plan.py), whose analysis (``order``, ``crossing``,
+``param``, ``const``, ``info``) it reads."""
 
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ _ENCODER_DECODER_MAINS = 3
 # Ops that only reshape or retype a value: a projection "reads" the value behind them.
 _VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "contiguous", "transpose", "permute", "t", "expand", "to",
           "type", "float", "unsqueeze", "squeeze", "_to_copy", "clone", "alias"}
+# Concatenations: a value whose every later use is one of these is a feature map kept for a dense block's later
+# layers (DenseNet), which all cross a cut together as the list of features so far.
+_CONCATS = {"cat", "concat", "concatenate"}
 _PRODUCTS = {"linear", "addmm", "matmul", "bmm", "mm", "conv1d", "conv2d", "conv3d", "convolution", "einsum",
              "baddbmm"}
 
@@ -30,11 +35,22 @@ class _Cuts:
     # -- sub-layer cuts --------------------------------------------------------------------------------------------
 
     def _multi_cuttable(self, p: int) -> bool:
-        """A cut inside a block: a few tensors cross (the residual stream, the current value, what attention still
-        needs such as v), none written in place later."""
+        """A cut inside a block: a few tensors cross (the residual stream or a residual block's input, the current
+        value, what attention still needs such as v), none written in place later. The feature maps of a dense
+        block (values only concatenations still read) count as one, however many: the list of features so far,
+        each map a tensor that crosses every later cut of the block and is counted once (DESIGN §8)."""
         values = self.crossing[p]
-        return (0 < sum(v in self.param for v in values) <= _SUBLAYER_MAX_MAINS + self.max_mains - 1 and all(
+        mains = [v for v in values if v in self.param]
+        features = [v for v in mains if self._feature(v, p)]
+        n_mains = len(mains) - len(features) + (1 if features else 0)
+        return (0 < n_mains <= _SUBLAYER_MAX_MAINS + self.max_mains - 1 and all(
             self.info.kind.get(v) == "tensors" and v not in self.written_later.get(p, ()) for v in values))
+
+    def _feature(self, v: fx.Node, p: int) -> bool:
+        """Is ``v`` a kept feature map at the cut after ``p``: a single tensor that only concatenations read from
+        there on (a dense block's ``torch.cat(features, 1)``), never the model's output?"""
+        later = [u for u in v.users if u is self.output or (u not in self.const and self.pos[u] > p)]
+        return bool(later) and all(u is not self.output and _target_name(u).split(".")[0] in _CONCATS for u in later)
 
     def _crossing_bytes(self, p: int) -> int:
         seen: dict[int, int] = {}
@@ -103,7 +119,9 @@ class _Cuts:
             parts = [(bounds[i] + 1, bounds[i + 1]) for i in range(len(bounds) - 1)]
             out += parts
             self._parent += [index] * len(parts)
-            self._roles += _roles([[self._heavy(n) or _topk(n) for n in self.order[x: y + 1]] for x, y in parts])
+            kinds = [[self._heavy(n) or _topk(n) for n in self.order[x: y + 1]] for x, y in parts]
+            attention = any(k in ("matmul", "softmax", "fused") for part in kinds for k in part)
+            self._roles += _roles(kinds) if attention or len(parts) == 1 else self._module_roles(parts, a, b)
         return out
 
     def _windows(self, a: int, b: int) -> list[list[int]]:
@@ -121,6 +139,43 @@ class _Cuts:
                 groups.append((kind, p, p, root))
         return [[p - a for p in range(end, start) if a <= p < b and self._multi_cuttable(p)]
                 for (_, _, end, _), (_, start, _, _) in zip(groups, groups[1:])]
+
+    def _module_roles(self, parts: list[tuple[int, int]], a: int, b: int) -> list[str]:
+        """Roles of the parts of a block without attention (a residual bottleneck, a dense block), from the modules
+        of the weights each part applies, relative to the block: ``conv2`` (``layer3.2.conv2``), ``denselayer5``
+        when a part holds both convolutions of a dense layer, ``denselayer5.conv1`` when it holds one; a part with
+        no weight of its own is ``part{i}``. Repeated roles get ``#1``, ``#2``."""
+        # the module the segment is (a dense block's units are its layers; the segment, the block holding them)
+        block = _common_path(list(dict.fromkeys(
+            u for u in self._units[a: b + 1] if u not in self._glue and self._is_block(u))))
+        roles = []
+        for i, (x, y) in enumerate(parts):
+            paths = [self._weight_module(self.owner(n), block) for n in self.order[x: y + 1]
+                     if self._heavy(n) == "weight"]
+            paths = [p[len(block) + 1:] if block and p.startswith(block + ".") else p for p in paths if p]
+            paths = list(dict.fromkeys(paths))
+            common = _common_path(paths)
+            roles.append(common or (f"{paths[0]}..{paths[-1]}" if paths else f"part{i}"))
+        counts = {r: roles.count(r) for r in roles}
+        seen: dict[str, int] = {}
+        for i, r in enumerate(roles):
+            if counts[r] > 1:
+                seen[r] = seen.get(r, 0) + 1
+                roles[i] = f"{r}#{seen[r]}"
+        return roles
+
+    def _weight_module(self, path: str, block: str) -> str:
+        """The module a weight is named by: its own (``conv2``), or, inside the block, the wrapper whose only
+        weight it is (Inception's ``branch5x5_2`` for ``branch5x5_2.conv``, resnet's ``downsample`` for
+        ``downsample.0``)."""
+        while "." in path and path.rsplit(".", 1)[0] != block:
+            parent = self._module(path.rsplit(".", 1)[0])
+            weights = [m for m in parent.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
+                       and m.weight.dim() >= 2] if parent is not None else []
+            if len(weights) != 1:
+                break
+            path = path.rsplit(".", 1)[0]
+        return path
 
     # -- module cuts -----------------------------------------------------------------------------------------------
 
@@ -227,6 +282,16 @@ def _is_encoder_decoder(model: nn.Module) -> bool:
         return True
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     return {"encoder", "decoder"} <= names
+
+
+def _common_path(paths: list[str]) -> str:
+    """The longest dotted module path all ``paths`` lie under ("" if none)."""
+    common: list[str] = []
+    for items in zip(*(p.split(".") for p in paths)):
+        if len(set(items)) != 1:
+            break
+        common.append(items[0])
+    return ".".join(common) if paths else ""
 
 
 def _holds_blocks(container: nn.Module) -> bool:
