@@ -30,7 +30,12 @@ from torch.utils import _pytree as pytree
 from ...errors import NotSequentialError
 
 _APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod itself, put back after tracing
-_ORIGINAL_APPLY = _APPLY.__func__
+
+
+def _ORIGINAL_APPLY(cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (stands for the saved method)
+    """``cls.apply`` as torch defines it, whatever is patched in meanwhile. ``__get__`` binds it: a Python
+    ``classmethod`` in some torch versions, a C ``classmethod_descriptor`` (no ``__func__``) in others (2.14)."""
+    return _APPLY.__get__(None, cls)(*args, **kwargs)
 # During one export: key -> (Function class, the call's args/kwargs spec with tensors taken out, output spec).
 _CALLS: dict[int, list[Any]] = {}
 _KEYS = itertools.count()
