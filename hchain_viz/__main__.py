@@ -155,11 +155,11 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"{name}: {chain.length} stages. Plain training (store-all) takes {format_time(chain.store_all_time)} per "
           f"step and keeps\nup to {format_bytes(solution.store_all_peak)} of activations; the least any schedule "
           f"needs is {format_bytes(solution.min_budget)}.")
-    if spread is not None:
-        busy = " (a busy machine: profile again when it is quiet)" if spread > 0.10 else ""
-        print(f"Timings varied by ±{100 * spread:.0f}% across {chain.meta.get('repeats')} repeats{busy}.")
-    if chain.tied:  # identical layers share one cost (DESIGN §10): say so, in one line
-        print(f"Timing: {chain.timing_note()}.")
+    note = chain.timing_note()  # one line: identical layers sharing one cost (DESIGN §10), the rest's spread
+    if note is not None:
+        print("Timing: " + note.replace("; ", ";\n        ") + ".")
+        if spread is not None and spread > 0.10:
+            print("        A busy machine: profile again when it is quiet.")
     print("\nStep time at three budgets (in brackets: how much slower than optimal):")
     print_table(("budget", "optimal", *DEMO_BASELINES, "best baseline that fits"), rows, rule=True)
     for note in notes:

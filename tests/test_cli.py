@@ -35,7 +35,7 @@ def test_demo_leads_with_the_headline_and_explains_its_terms(demo, tmp_path):
     out = demo()
     lines = [ln for ln in out.splitlines() if ln.strip()]
     assert lines[1].startswith("Headline: within the same memory budget, the optimal schedule")
-    assert "Timings varied by ±30% across 5 repeats (a busy machine" in out
+    assert "stage times varied ±30% across 5 repeats." in out and "A busy machine: profile again" in out
     long = [ln for ln in lines if len(ln) > 100 and "Wrote" not in ln]  # (the path is as long as it is)
     assert long == []  # no 170-character sentences
     terms = out.split("Terms:\n")[1].split("\n\n")[0].splitlines()
