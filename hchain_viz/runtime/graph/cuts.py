@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .roles import _roles, _topk
+from .roles import _roles, _told_apart, _topk
 from .values import _target_name
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -156,13 +156,7 @@ class _Cuts:
             paths = list(dict.fromkeys(paths))
             common = _common_path(paths)
             roles.append(common or (f"{paths[0]}..{paths[-1]}" if paths else f"part{i}"))
-        counts = {r: roles.count(r) for r in roles}
-        seen: dict[str, int] = {}
-        for i, r in enumerate(roles):
-            if counts[r] > 1:
-                seen[r] = seen.get(r, 0) + 1
-                roles[i] = f"{r}#{seen[r]}"
-        return roles
+        return _told_apart(roles)
 
     def _weight_module(self, path: str, block: str) -> str:
         """The module a weight is named by: its own (``conv2``), or, inside the block, the wrapper whose only

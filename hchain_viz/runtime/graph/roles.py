@@ -194,12 +194,17 @@ def _shorten(full: list[tuple[str, ...]]) -> list[str]:
                 if all(_brief(other, k) != _brief(path, k) for other in paths if other != path):
                     break
             names.append(_brief(path, k))
-    counts: dict[str, int] = {}
-    for name in names:
-        counts[name] = counts.get(name, 0) + 1
+    return _told_apart(names)
+
+
+def _told_apart(names: list[str]) -> list[str]:
+    """The names with each repeated one told apart by "#1", "#2", ... in order; unique names stay as they are."""
+    counts = {name: names.count(name) for name in names}
     seen: dict[str, int] = {}
-    for i, name in enumerate(names):
+    out = []
+    for name in names:
         if counts[name] > 1:
             seen[name] = seen.get(name, 0) + 1
-            names[i] = f"{name}#{seen[name]}"
-    return names
+            name = f"{name}#{seen[name]}"
+        out.append(name)
+    return out
