@@ -234,21 +234,26 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, schedule_js
             model, x, y = _mlp()
             if label == "applied":
                 hcv.apply(model, hcv.Schedule.from_json(schedule_json))
-            net = DDP(model)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            xb, yb = x.chunk(world)[rank], y.chunk(world)[rank]
-            losses = []
-            for step in range(2):
-                torch.manual_seed(10 * rank + step)
-                loss = nn.functional.cross_entropy(net(xb), yb)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.detach())
+            losses = _two_steps(DDP(model), model, x, y, rank, world)
             record[label] = (losses, [p.detach().clone() for p in model.parameters()])
         torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _two_steps(net, model, x, y, rank: int, world: int) -> list[torch.Tensor]:
+    """Two SGD steps of ``net`` (``model`` wrapped, or itself) on this rank's share of the batch; the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xb, yb = x.chunk(world)[rank], y.chunk(world)[rank]
+    losses = []
+    for step in range(2):
+        torch.manual_seed(10 * rank + step)
+        loss = nn.functional.cross_entropy(net(xb), yb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
 
 
 def _mlp():
@@ -263,7 +268,6 @@ def _mlp():
 @pytest.mark.slow
 def test_distributed_data_parallel_on_an_applied_model_gloo_two_processes(tmp_path):
     _two_ranks_train_like_plain(_ddp_worker, tmp_path)
-
 
 
 def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, schedule_json: str) -> None:
@@ -283,16 +287,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, schedule_j
             fully_shard(model, mesh=mesh)
             if label == "applied":  # after sharding, on the root: its forward hooks run around the schedule
                 hcv.apply(model, hcv.Schedule.from_json(schedule_json))
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            xb, yb = x.chunk(world)[rank], y.chunk(world)[rank]
-            losses = []
-            for step in range(2):
-                torch.manual_seed(10 * rank + step)
-                loss = nn.functional.cross_entropy(model(xb), yb)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.detach())
+            losses = _two_steps(model, model, x, y, rank, world)
             record[label] = (losses, [p.detach().to_local().clone() for p in model.parameters()])
         torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
