@@ -9,6 +9,7 @@ import inspect
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -23,14 +24,15 @@ from hchain_viz.runtime.native import NotNative, Region, segment_tree, tree_ops
 pytestmark = pytest.mark.torch
 
 
-def _model():
+def _model(width: int = 32, batch: int = 8):
     """Dropout and a BatchNorm1d: RNG and buffers matter."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 32),
-                              nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-        x = torch.randn(8, 16)
-        y = torch.randint(0, 4, (8,))
+        w = width
+        model = nn.Sequential(nn.Linear(16, w), nn.BatchNorm1d(w), nn.ReLU(), nn.Dropout(0.2), nn.Linear(w, w),
+                              nn.Tanh(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 4))
+        x = torch.randn(batch, 16)
+        y = torch.randint(0, 4, (batch,))
     return model, x, y
 
 
@@ -123,12 +125,36 @@ def test_other_input_shapes_than_profiled_are_refused():
     chain = hcv.profile(model, x, warmup=0, repeats=1, progress=False)
     hcv.apply(model, strategies.store_all(chain), chain=chain)
     with pytest.raises(InputMismatch, match=r"\[8, 16\]"):
-        model(torch.randn(4, 16))
+        model(torch.randn(4, 16))  # the first training call has the profiled shapes
     _step(model, x, y)  # the profiled shape trains
-    with pytest.raises(InputMismatch, match="profiled \\[8, 16\\] float32, called with \\[6, 16\\]"):
-        model(torch.randn(6, 16))
+    with pytest.raises(InputMismatch, match="profiled \\[8, 16\\] float32, called with \\[12, 16\\]"):
+        model(torch.randn(12, 16))  # a larger batch: the schedule's memory would not hold
+    with pytest.raises(InputMismatch, match="profile again"):
+        model(x.double())
     model.eval()
-    assert model(torch.randn(6, 16)).shape == (6, 4)  # eval is the plain model, any shape
+    assert model(torch.randn(12, 16)).shape == (12, 4)  # eval is the plain model, any shape
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["executor", "native"])
+def test_a_smaller_last_batch_trains_exactly_within_the_predicted_peak(native):
+    from hchain_viz.core.simulate import simulate
+
+    model, x, y = _model(width=256, batch=64)  # activations well above the native form's RNG states (5 KiB each)
+    twin = copy.deepcopy(model)
+    chain = hcv.profile(model, x, warmup=0, repeats=1, progress=False)
+    sol = solve(chain)
+    schedule = sol.schedule(sol.min_budget)
+    assert schedule.n_recomputed > 0
+    hcv.apply(model, schedule, chain=chain, native=native)
+    for xs, ys in ((x, y), (x[:40], y[:40]), (x, y), (x[:40], y[:40])):  # epochs ending with a smaller batch
+        model.zero_grad(), twin.zero_grad()
+        (loss_a, rng_a), (loss_e, rng_e) = _step(model, xs, ys), _step(twin, xs, ys)
+        assert torch.equal(loss_a, loss_e) and torch.equal(rng_a, rng_e)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers()))
+    small = hcv.measure(model, x[:40], lambda out: nn.functional.cross_entropy(out, y[:40]), repeats=1)
+    assert small.peak_bytes <= simulate(chain, schedule).peak_memory
+    assert sorted(vars(model)["_hcv_applied"].executors) == [(), ("batch=40",)]
 
 
 def test_a_model_changed_after_applying_or_profiling_is_refused():
@@ -182,6 +208,36 @@ def test_keywords_and_the_dict_are_the_same_structure_other_structures_are_refus
         net(**inp, scale=2.0)
     with pytest.raises(InputMismatch, match="cannot take this call"):
         net(**inp, c=inp["a"])
+    # A smaller batch of the same structure is traced again and trains as the plain model; a mixed one is refused
+    net.zero_grad(), twin.zero_grad()
+    net(a=inp["a"][:3], b=inp["b"][:3]).pow(2).sum().backward()
+    twin(a=inp["a"][:3], b=inp["b"][:3]).pow(2).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), twin.parameters()))
+    with pytest.raises(InputMismatch, match="called with \\[3, 8\\]"):
+        net(a=inp["a"][:3], b=inp["b"])
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["executor", "native"])
+def test_an_applied_model_is_saved_whole_and_loaded_trains_the_same(native):
+    import io
+
+    net, inp = _Pair(), {"a": torch.randn(4, 8), "b": torch.randn(4, 8)}  # traced stages: not picklable themselves
+    chain = hcv.profile(net, inp, warmup=0, repeats=1, progress=False)
+    hcv.apply(net, solve(chain).schedule(solve(chain).min_budget), chain=chain, native=native)
+    net(**inp).pow(2).sum().backward()
+    net.zero_grad()
+    buffer = io.BytesIO()
+    torch.save(net, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert vars(loaded)["_hcv_applied"].model is loaded and vars(loaded)["forward"]._state.model is loaded
+    for m in (net, loaded):
+        m(**inp).pow(2).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), loaded.parameters()))
+    with pytest.raises(InputMismatch, match="missing"):
+        loaded(a=inp["a"])  # the profiled structure came along
+    hcv.remove(loaded)
+    assert "forward" not in vars(loaded)
 
 
 def test_torch_compile_of_a_model_applied_by_the_executor_says_to_use_native():
@@ -209,12 +265,16 @@ def test_hf_model_keeps_config_save_pretrained_generate_and_refuses_double_check
     model, batch = _gpt2()
     plain = copy.deepcopy(model)
     hcv.checkpoint(model, batch, budget="250KiB", progress=False)
+    torch.save(model, tmp_path / "whole.pt")  # the refusing methods pickle too (torch.save(model))
+    loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    with pytest.raises(DoubleCheckpointing):
+        loaded.gradient_checkpointing_enable()
     said = capsys.readouterr().out
     assert "GPT2LMHeadModel" in said and "predicted activation peak" in said and "vs store-all" in said
     assert re.search(r"activation budget 250 KiB: [1-9]\d* recomputed forwards", said), said
     assert model.config.n_layer == 2 and inspect.signature(model.forward) == inspect.signature(plain.forward)
-    model.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "generation_config.json",
+    model.save_pretrained(tmp_path / "pretrained")
+    assert sorted(p.name for p in (tmp_path / "pretrained").iterdir()) == ["config.json", "generation_config.json",
                                                            "model.safetensors"]
     model.eval()
     torch.manual_seed(0)
@@ -276,3 +336,35 @@ def test_checkpoint_one_liner_budgets(capsys):
     hcv.checkpoint(model, x, device_memory="64MiB", optimizer=opt, progress=False, verbose=False)
     assert capsys.readouterr().out == ""
     _step(model, x, y)
+
+
+def test_compiled_form_is_single_level_and_for_compile_fits_its_budget():
+    """What torch.compile runs for a native schedule (runtime/native.py, NOTE [compiled memory]): nested regions
+    collapse into their top-level regions; the gradients held to the end of the backward count in its peak."""
+    from hchain_viz.core.simulate import simulate
+    from hchain_viz.runtime.native import compiled_peak, compiled_schedule, compiled_tree, for_compile, grad_bytes
+
+    nested = hcv.Schedule.parse("Fck0 Fn1 Fn2 Fall3 Loss B3 Fck0 Fn1 Fall2 B2 Fall0 Fall1 B1 B0")
+    flat = compiled_schedule(nested)
+    assert str(flat) == str(hcv.Schedule.parse("Fck0 Fn1 Fn2 Fall3 Loss B3 Fall0 Fall1 Fall2 B2 B1 B0"))
+    assert compiled_tree(segment_tree(flat)) == segment_tree(flat) and compiled_schedule(flat) is flat
+    shared = nn.Linear(4, 4)
+    assert grad_bytes([shared, nn.Linear(4, 2), shared]) == [0, 40, 80]  # shared: counted at its last stage
+    for seed in range(4):
+        chain = Chain.random(8, seed=seed)
+        sol = solve(chain)
+        grads = [int(g) for g in np.random.default_rng(seed).integers(0, max(chain.x), 8)]
+        for budget in np.linspace(sol.min_budget, sol.store_all_peak, 6).astype(int):
+            s = sol.schedule(int(budget))
+            c = compiled_schedule(s)
+            simulate(chain, c)  # a valid schedule
+            assert compiled_peak(chain, s, [0] * 8) == simulate(chain, c).peak_memory
+            assert compiled_peak(chain, s, grads) >= simulate(chain, c).peak_memory
+            try:
+                fit = for_compile(sol, int(budget), grads)
+            except hcv.InvalidSchedule:
+                assert compiled_peak(chain, sol.schedule(sol.min_budget), grads) > budget
+                continue
+            assert compiled_schedule(fit) is fit and compiled_peak(chain, fit, grads) <= budget
+            if compiled_peak(chain, s, grads) <= budget:  # the DP's own schedule fits compiled: none slower
+                assert simulate(chain, fit).makespan <= simulate(chain, c).makespan + 1e-12

@@ -35,8 +35,11 @@ def _gpt2(layers: int = 2):
 class _Tokens(torch.utils.data.Dataset):
     """Fixed random token sequences, as a tokenized dataset gives them (causal LM: labels are the tokens)."""
 
+    def __init__(self, size: int = 3 * BATCH):
+        self.size = size
+
     def __len__(self) -> int:
-        return 3 * BATCH
+        return self.size
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
@@ -69,15 +72,16 @@ def _losses_of(model: nn.Module) -> tuple[list, object]:
     return losses, model.register_forward_hook(hook, with_kwargs=True)
 
 
-def _hf_train(model: nn.Module, out_dir: str, **args) -> list[torch.Tensor]:
+def _hf_train(model: nn.Module, out_dir: str, data: _Tokens | None = None, **args) -> list[torch.Tensor]:
     import transformers
 
     losses, handle = _losses_of(model)
     # Default TrainingArguments: only where to write and how many steps (no report_to: the defaults stay offline).
-    targs = transformers.TrainingArguments(output_dir=out_dir, max_steps=3, per_device_train_batch_size=BATCH, **args)
+    args = {"max_steps": 3, **args}
+    targs = transformers.TrainingArguments(output_dir=out_dir, per_device_train_batch_size=BATCH, **args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        transformers.Trainer(model=model, args=targs, train_dataset=_Tokens()).train()
+        transformers.Trainer(model=model, args=targs, train_dataset=data or _Tokens()).train()
     handle.remove()
     return losses
 
@@ -102,6 +106,23 @@ def test_hf_trainer_with_default_arguments_trains_like_the_plain_model(tmp_path)
     assert sorted(state.structure.keys) == ["attention_mask", "input_ids", "labels"]
     assert list(state.executors) == [("num_items_in_batch",)]
     assert (tmp_path / "applied" / "checkpoint-3" / "model.safetensors").exists()  # save_pretrained ran
+
+
+def test_hf_trainer_epochs_ending_with_a_smaller_batch_train_like_the_plain_model(tmp_path):
+    """A dataset whose size is no multiple of the batch: with default TrainingArguments (dataloader_drop_last=False)
+    every epoch ends with a smaller batch, which the schedule takes (its stages traced again for it)."""
+    model = _gpt2()
+    plain = copy.deepcopy(model)
+    plain.config.use_cache = False
+    schedule, chain = _schedule_for(model, _batch())
+    hcv.apply(model, schedule, chain=chain)
+    data = _Tokens(2 * BATCH + 3)  # batches of 4, 4 and 3 samples an epoch
+    got = _hf_train(model, str(tmp_path / "applied"), data, max_steps=-1, num_train_epochs=2)
+    want = _hf_train(plain, str(tmp_path / "plain"), data, max_steps=-1, num_train_epochs=2)
+    assert len(got) == len(want) == 6
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
+    assert _same_weights(model, plain)
+    assert ("num_items_in_batch", "batch=3") in vars(model)["_hcv_applied"].executors
 
 
 def test_hf_trainer_gradient_checkpointing_on_an_applied_schedule_is_refused(tmp_path):

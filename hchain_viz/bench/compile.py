@@ -17,12 +17,17 @@ configuration alike), with the spread (max - min over rounds, relative to the me
     python -m hchain_viz bench compile [--models resnet_chain,nanogpt] [--rounds 5] [--threads 1] [--small]
                                        [--budgets 1.0,0.7,0.5,0.3,0.1,0.0]
 
-``--native``: instead, the schedule applied in its native form (``hcv.apply(model, schedule, native=True)``: nested
-non-reentrant checkpoint regions) and the whole model compiled by ``torch.compile`` (inductor), against
-``torch.compile``'s ``activation_memory_budget`` at equal measured memory (the allocator-event meter sees compiled
-code). Candidates are DP schedules of the eager-profiled chain at ``--candidates`` budgets spread from the least to
-store-all, each applied to its own copy of the model and compiled once; per compile budget, the fastest whose measured
-peak is at most compile's. ``meas/pred`` is the measured peak over the eager chain's prediction for the schedule.
+``--native``: instead (models resnet_chain, nanogpt and Hugging Face's GPT-2 cut at sub-layer granularity, sizes
+from ``NATIVE``, changed with ``--set gpt2.seq=128``), the schedule applied in its native form
+(``hcv.apply(model, schedule, native=True)``: nested non-reentrant checkpoint regions) and the whole model compiled
+by ``torch.compile`` (inductor), against ``torch.compile``'s ``activation_memory_budget`` at equal measured memory
+(the allocator-event meter sees compiled code). Candidates are the DP schedules of the eager-profiled chain at
+``--candidates`` budgets spread from the least to store-all, in the form torch.compile runs them
+(``runtime/native.py``, NOTE [compiled memory]: single-level), each applied to its own copy of the model and compiled
+once; per compile budget, the fastest whose measured peak is at most compile's. ``meas/pred`` is the measured peak
+over ``compiled_peak`` (the simulator's peak of that form plus the parameter gradients the compiled backward holds).
+Compiled graphs are cached on disk (``TORCHINDUCTOR_CACHE_DIR``, default ``~/.cache/hchain_viz/inductor``; FX graph
+and AOTAutograd caches on), so a rerun compiles little.
 """
 
 from __future__ import annotations
@@ -43,7 +48,14 @@ SIZES = {  # CPU-sized demos (compiling is the slow part on a small machine)
     "nanogpt": dict(batch=4, seq=64, dim=64, heads=4, layers=4, vocab=128, dropout=0.1),
     "transformer_chain": dict(batch=4, seq=64, dim=64, layers=4, dropout=0.1),
 }
+# --native: sizes where one eager step takes >= 100 ms on one CPU thread, with few layers (compiling is per node)
+NATIVE = {
+    "resnet_chain": dict(batch=16, image=64, width=16, blocks=(1, 1)),
+    "nanogpt": dict(batch=8, seq=256, dim=128, heads=4, layers=2, vocab=256, dropout=0.1),
+    "gpt2": dict(batch=8, seq=256, hidden=128, heads=4, layers=2, vocab=256),
+}
 SMALL = {
+    "gpt2": dict(batch=2, seq=16, hidden=32, heads=2, layers=2, vocab=64),
     "resnet_chain": dict(batch=2, image=16, width=8, blocks=(1, 1)),
     "nanogpt": dict(batch=2, seq=16, dim=32, heads=2, layers=2, vocab=64, dropout=0.1),
     "transformer_chain": dict(batch=2, seq=16, dim=32, layers=2, dropout=0.1),
@@ -65,9 +77,13 @@ def run(args: list[str]) -> None:
                              "profiled: what the compiled stages save and their times")
     parser.add_argument("--native", action="store_true",
                         help="the schedule in its native form compiled whole, against activation_memory_budget")
+    parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE",
+                        help="--native: change a model's size, e.g. --set gpt2.seq=128 (repeatable)")
     parser.add_argument("--candidates", type=positive_int, default=6,
                         help="--native: DP schedules compiled (least budget to store-all)")
     opts = parser.parse_args(args)
+    if opts.native:
+        _cache_on_disk()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     budgets = [float(b) for b in opts.budgets.split(",")]
@@ -84,13 +100,68 @@ def run(args: list[str]) -> None:
                            [float(b) for b in opts.stage_budgets.split(",")])
         return
     summary = []
+    native_sizes = _sizes(NATIVE, opts.set)
     for name in [n.strip() for n in opts.models.split(",")]:
-        sizes = (SMALL if opts.small else SIZES).get(name, {})
+        sizes = (SMALL if opts.small else native_sizes if opts.native else SIZES).get(name, {})
         summary.append(_native(name, sizes, budgets, rounds, opts.candidates) if opts.native
                        else _one_model(name, sizes, budgets, rounds))
     print()
     for line in summary:
         print(line)
+
+
+def _cache_on_disk() -> None:
+    """Compiled graphs cached on disk across runs (inductor's FX graph cache and AOTAutograd's cache)."""
+    import os
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/hchain_viz/inductor"))
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+
+
+def _sizes(base: dict, changes: list[str]) -> dict:
+    """``base`` with ``MODEL.KEY=VALUE`` changes (integers, floats or a tuple of integers such as ``1,1``)."""
+    out = {k: dict(v) for k, v in base.items()}
+    for change in changes:
+        try:
+            target, value = change.split("=", 1)
+            name, key = target.split(".", 1)
+        except ValueError:
+            raise SystemExit(f"--set {change!r}: write MODEL.KEY=VALUE, e.g. gpt2.seq=128") from None
+        parsed: Any = tuple(int(v) for v in value.split(",")) if "," in value else (
+            float(value) if "." in value else int(value))
+        out.setdefault(name, {})[key] = parsed
+    return out
+
+
+def _load(name: str, sizes: dict) -> tuple[nn.Module, Any, Any, str | None, Any]:
+    """(model, input, loss_fn, granularity, caller): a demo model, or ``gpt2`` (Hugging Face, cut inside its layers,
+    called by keywords: ``caller(m)`` is a module that calls ``m(**batch)``)."""
+    import warnings
+
+    from ..runtime import models
+
+    if name == "gpt2":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, x, loss_fn = models.hf_model("gpt2", attn_implementation="eager", **sizes)
+        model.config.use_cache = False
+        return model, x, loss_fn, "sublayer", _Keywords
+    return (*models.demo_model(name, **sizes), None, lambda m: m)
+
+
+class _Keywords(nn.Module):
+    """Calls a Hugging Face model (or its compiled form) as Hugging Face code does: ``model(**batch)``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict) -> Any:
+        return self.model(**batch)
 
 
 def _one_model(name: str, sizes: dict, budgets: list[float], rounds: int) -> str:
@@ -189,36 +260,40 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
     from ..core.simulate import simulate
     from ..core.solver import solve
     from ..core.units import format_bytes, format_time
-    from ..runtime import models
     from ..runtime.apply import apply
     from ..runtime.compiled import budget_backend
     from ..runtime.measure import measure
+    from ..runtime.native import compiled_peak, compiled_schedule, grad_bytes
     from ..runtime.profile import profile
+    from ..runtime.stages import sequentialize
 
-    model, x, loss_fn = models.demo_model(name, **sizes)
+    model, x, loss_fn, granularity, caller = _load(name, sizes)
     t0 = time.perf_counter()
-    compiled = {b: torch.compile(model, backend=budget_backend(b)) for b in budgets}
+    compiled = {b: caller(torch.compile(model, backend=budget_backend(b))) for b in budgets}
     c_peak = {b: measure(m, x, loss_fn, repeats=1).peak_bytes for b, m in compiled.items()}
-    chain = profile(model, x, loss_fn, progress=False)
+    t_knob = time.perf_counter() - t0
+    chain = profile(model, x, loss_fn, granularity=granularity, progress=False)
+    grads = grad_bytes([m for _, m in sequentialize(model, x, granularity=granularity)])
     sol = solve(chain)
     lo, hi = sol.min_budget, sol.store_all_peak
-    cands: dict[tuple, tuple[Any, int, Any, nn.Module]] = {}
+    cands: dict[tuple, tuple[Any, int, Any, nn.Module, int]] = {}
     for k in range(n_candidates):
-        s = sol.schedule(lo + (hi - lo) * k // max(1, n_candidates - 1))
+        s = compiled_schedule(sol.schedule(lo + (hi - lo) * k // max(1, n_candidates - 1)))
         if s.ops in cands:
             continue
         twin = copy.deepcopy(model)
-        apply(twin, s, native=True)
-        cm = torch.compile(twin)
-        cands[s.ops] = (cm, measure(cm, x, loss_fn, repeats=1).peak_bytes, s, twin)
+        apply(twin, s, chain=chain, native=True)
+        cm = caller(torch.compile(twin))
+        cands[s.ops] = (cm, measure(cm, x, loss_fn, repeats=1).peak_bytes, s, twin, compiled_peak(chain, s, grads))
     setup = time.perf_counter() - t0
-    modules = [model, *compiled.values()] + [c[0] for c in cands.values()]
+    eager = caller(model)
+    modules = [eager, *compiled.values()] + [c[0] for c in cands.values()]
     stats = _interleaved(modules, x, loss_fn, rounds)
     t_of = {id(m): st for m, st in zip(modules, stats)}
     ref_c1 = _grads(model, compiled[1.0], x, loss_fn) if 1.0 in compiled else None
     head = ("budget", "compile peak", "compile time", "native peak", "meas/pred", "recomputed", "native time",
             "speedup", "grad vs c@1.0")
-    rows, speedups, ratios = [], [], []
+    rows, speedups = [], []
     for b in budgets:
         ct = t_of[id(compiled[b])]
         row = [f"{b:.1f}", format_bytes(c_peak[b]), _fmt_t(ct, format_time)]
@@ -226,29 +301,32 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
         if not fits:
             rows.append(row + ["(none fits)", "", "", "", "", ""])
             continue
-        cm, peak, s, twin = min(fits, key=lambda c: t_of[id(c[0])][0])
-        pred = simulate(chain, s).peak_memory
+        cm, peak, s, twin, pred = min(fits, key=lambda c: t_of[id(c[0])][0])
         ot = t_of[id(cm)]
         speedups.append(ct[0] / ot[0])
-        ratios.append(peak / pred)
         g = _grads(twin, cm, x, loss_fn)
         rows.append(row + [format_bytes(peak), f"{peak / pred:.3f}", str(s.n_recomputed), _fmt_t(ot, format_time),
                            f"{ct[0] / ot[0]:.2f}x", "-" if ref_c1 is None else _err(g, ref_c1)])
     low = min(cands.values(), key=lambda c: c[1])
-    all_ratios = [c[1] / simulate(chain, c[2]).peak_memory for c in cands.values()]
+    ratios = [c[1] / c[4] for c in cands.values()]
     print()
-    print(f"{name} {sizes}: {chain.length} stages; eager step {_fmt_t(t_of[id(model)], format_time)}; setup "
-          f"(compiling {len(cands) + len(budgets)} graphs, profiling, measuring) {setup:.0f} s")
+    print(f"{name} {sizes}: {chain.length} stages; eager step {_fmt_t(t_of[id(eager)], format_time)}; setup "
+          f"(compiling {len(cands) + len(budgets)} graphs, profiling, measuring) {setup:.0f} s "
+          f"(the {len(budgets)} knob graphs {t_knob:.0f} s)")
     print_table(head, rows, left=1)
-    print(f"  native candidates: measured/predicted peak {min(all_ratios):.3f}..{max(all_ratios):.3f}; least "
-          f"{format_bytes(low[1])} measured ({low[1] / min(c_peak.values()):.2f}x compile's lowest "
-          f"{format_bytes(min(c_peak.values()))}) in {_fmt_t(t_of[id(low[0])], format_time)}")
+    print("  candidates (compiled form): " + "; ".join(
+        f"{c[2].n_recomputed} recomputed: {format_bytes(c[1])} measured / {format_bytes(c[4])} predicted "
+        f"(eager form {format_bytes(simulate(chain, c[2]).peak_memory)}) in {format_time(t_of[id(c[0])][0])}"
+        for c in sorted(cands.values(), key=lambda c: c[1])))
+    print(f"  parameter gradients held by the compiled backward: {format_bytes(sum(grads))}")
+    least = low[1] / min(c_peak.values())
     if not speedups:
-        return f"{name}: no native schedule fits under any compile peak"
+        return f"{name} native: no native schedule fits under any compile peak; least peak {least:.2f}x its lowest"
+    slower = sum(v < 1 / 1.03 for v in speedups)
     return (f"{name} native: vs torch.compile budget at equal measured memory: mean speedup "
             f"{statistics.mean(speedups):.2f}x (min {min(speedups):.2f}x, max {max(speedups):.2f}x, "
-            f"{len(speedups)} points); least peak {low[1] / min(c_peak.values()):.2f}x compile's lowest; "
-            f"measured/predicted peak {min(all_ratios):.3f}..{max(all_ratios):.3f}")
+            f"{len(speedups)} points, {slower} more than 3% slower); least peak {least:.2f}x compile's lowest; "
+            f"measured/predicted peak {min(ratios):.3f}..{max(ratios):.3f}")
 
 
 def _stage_budgets(name: str, sizes: dict, budgets: list[float]) -> None:

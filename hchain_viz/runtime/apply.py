@@ -137,8 +137,10 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
     as in DESIGN §7; with neither, the CUDA device's memory where the model is on one, else no limit (store-all).
     ``loss_fn(output)``: the loss profiled for the last stage (default: ``output.loss`` where the model returns one).
     ``granularity``: how finely a traced model is cut (``"sublayer"``: inside transformer layers).
-    ``native``: see :func:`apply`. Prints the budget, the predicted peak and the predicted overhead against store-all
-    (``verbose=False``: silent); ``progress`` shows progress bars while profiling.
+    ``native``: see :func:`apply`; the schedule is then the fastest whose memory fits the budget also when the model
+    is compiled whole (``torch.compile(model)``, see ``runtime/native.py``). Prints the budget, the predicted peak
+    and the predicted overhead against store-all (``verbose=False``: silent); ``progress`` shows progress bars while
+    profiling.
     """
     from ..core.simulate import simulate
     from ..core.solver import solve
@@ -167,6 +169,12 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
     else:
         schedule = store_all(chain)
         asked = "no budget (CPU model, no device memory given): store-all"
+    if native and "budget" in schedule.meta:  # the fastest schedule whose compiled form fits (runtime/native.py)
+        from .native import for_compile, grad_bytes
+        from .stages import sequentialize
+
+        stages = [m for _, m in sequentialize(model, batch, granularity=granularity)]
+        schedule = for_compile(sol, min(_bytes(schedule.meta["budget"]), sol.max_budget), grad_bytes(stages))
     apply(model, schedule, chain=chain, sample=batch, native=native)
     if verbose:
         trace, base = simulate(chain, schedule), simulate(chain, store_all(chain))
@@ -201,7 +209,7 @@ class AppliedForward:
         if state.bypass or not (model.training and torch.is_grad_enabled()):
             return state.call_plain(args, kwargs)
         if state.native:
-            ex, x0 = state.prepare(args, kwargs)  # checked outside any compiled graph
+            ex, x0 = state.prepare(args, kwargs, torch.compiler.is_compiling())  # checked outside any graph
             return ex._train_step(x0)  # traced whole by torch.compile(model)
         return state.train_call_eager(args, kwargs)
 
@@ -209,16 +217,19 @@ class AppliedForward:
         return f"<forward of {type(self._state.model).__name__} trained by {self._state.describe()}>"
 
 
-def _refusing(name: str, model: nn.Module) -> Any:
-    def refuse(*args: Any, **kwargs: Any) -> None:
+class _Refusing:
+    """What Hugging Face's ``gradient_checkpointing_enable`` (and its kin) is while a schedule is applied (a class,
+    not a closure: an applied model pickles with ``torch.save(model)``)."""
+
+    def __init__(self, name: str, model: nn.Module):
+        self.__name__, self.model_name = name, type(model).__name__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
         raise DoubleCheckpointing(
-            f"{name}() would turn on Hugging Face's activation checkpointing in a {type(model).__name__} that already "
-            f"trains by an hchain_viz schedule (hcv.apply): every layer would be recomputed twice. Leave "
+            f"{self.__name__}() would turn on Hugging Face's activation checkpointing in a {self.model_name} that "
+            f"already trains by an hchain_viz schedule (hcv.apply): every layer would be recomputed twice. Leave "
             f"gradient_checkpointing / activation_checkpointing off (TrainingArguments' default) - the schedule "
             f"already checkpoints - or call hcv.remove(model) first to use Hugging Face's checkpointing instead")
-
-    refuse.__name__ = name
-    return refuse
 
 
 def _refuse_hf_checkpointing(model: nn.Module, when: str) -> None:
@@ -244,6 +255,7 @@ class _Applied:
         self.chain = chain
         self.native = native
         self.bypass = False  # True while stages are traced: the model's own forward runs
+        self.warned = False  # the compiled-memory warning was given (once per applied schedule)
         bound = model.forward
         self.unbound = inspect.ismethod(bound) and bound.__self__ is model
         self.original = bound.__func__ if self.unbound else bound
@@ -253,11 +265,18 @@ class _Applied:
         self.replaced: dict[str, Any] = {}  # instance attributes we set, with what was there (or _MISSING)
         self.structure: _Structure | None = None  # the profiled call structure
         self.executors: dict[Any, Any] = {}  # per accepted call structure: its executor (stages traced for it)
-        self.first = self._executor(None)
+        self.first: Any = self._executor(None)  # None after unpickling: rebuilt at the next training call
         if chain is not None:
             self._check_chain(chain)
         self.fingerprint = _fingerprint(model)
         self.modes = _modes(model)
+
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save(model)``, ``copy.deepcopy``) without its executors: they hold traced stages, which
+        are traced again at the next training call."""
+        state = dict(self.__dict__)
+        state["first"], state["executors"] = None, {}
+        return state
 
     # -------------------------------------------------------------- install / uninstall
     def install(self) -> None:
@@ -265,7 +284,7 @@ class _Applied:
         self._set("forward", AppliedForward(self))
         for name in _HF_CHECKPOINTING:
             if callable(getattr(type(model), name, None)):
-                self._set(name, _refusing(name, model))
+                self._set(name, _Refusing(name, model))
         object.__setattr__(model, _ATTR, self)
 
     def uninstall(self) -> None:
@@ -397,12 +416,44 @@ class _Applied:
         return ex._train_step(x0)
 
     @torch.compiler.disable  # a graph break before any compute: the checks run, the step compiles as one graph
-    def prepare(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-        return self._prepare(args, kwargs)
+    def prepare(self, args: tuple, kwargs: dict, compiling: bool = False) -> tuple[Any, Any]:
+        ex, x0 = self._prepare(args, kwargs)
+        if compiling and not self.warned:
+            self.warned = True
+            self._warn_compiled(ex)
+        return ex, x0
+
+    def _warn_compiled(self, ex: Any) -> None:
+        """torch.compile(model) of the native form: warn when its memory may exceed the schedule's prediction
+        (NOTE [compiled memory] in runtime/native.py)."""
+        import warnings
+
+        from ..core.simulate import simulate
+        from .native import compiled_peak, grad_bytes
+
+        fix = ("pick the schedule for a compiled model with hcv.checkpoint(model, batch, budget, native=True) or "
+               "hchain_viz.runtime.native.for_compile(solution, budget, grad_bytes(stages))")
+        if self.schedule.meta.get("strategy") == "for_compile":
+            return
+        if self.chain is None:
+            warnings.warn(f"torch.compile of a model trained by a native schedule: compiled whole, nested checkpoint "
+                          f"regions are recomputed once each and parameter gradients are held until the backward "
+                          f"ends, so the peak can exceed the schedule's prediction (pass chain= to hcv.apply to have "
+                          f"it predicted); {fix}", stacklevel=2)
+            return
+        eager = simulate(self.chain, self.schedule).peak_memory
+        compiled = compiled_peak(self.chain, self.schedule, grad_bytes(ex._modules))
+        if compiled > eager:
+            warnings.warn(f"torch.compile of a model trained by a native schedule predicted at "
+                          f"{format_bytes(eager)}: compiled whole it is predicted at {format_bytes(compiled)} "
+                          f"({compiled / eager:.2f}x; nested checkpoint regions are recomputed once each and "
+                          f"parameter gradients are held until the backward ends); {fix}", stacklevel=2)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         """The executor and x_0 for a training call, after checking the model and the call's structure."""
         self.check_model()
+        if self.first is None:  # unpickled or copied: the executor of the profiled structure again
+            self.first = self._executor(None)
         if self.structure is None:
             structure = _Structure.of_call(self, args, kwargs)
             self._check_first_shapes(structure)
@@ -435,21 +486,34 @@ class _Applied:
     def _executor_for(self, key: Any, x0: Any) -> Any:
         if key == ():  # the profiled structure: the stages profiled (or traced now)
             ex = self.first
-            with self._bypassed():
-                ex._ensure_stages(x0)
+            if ex.stages is None:
+                names = list(self.chain.names) if self.chain is not None else None
+                ex._set_stages(self._trace(x0, names, "the profiled inputs"))
             self._check_stages(ex.stages)
-        else:  # an accepted addition (loss arguments): the same stages, traced again with it
-            ex = self._retrace(x0)
+        else:  # accepted: loss arguments added, a smaller batch; the same stages, traced again for it
+            ex = self._retrace(x0, key)
         self.executors[key] = ex
         return ex
 
-    def _retrace(self, x0: Any) -> Any:
+    def _retrace(self, x0: Any, key: tuple) -> Any:
+        smaller = any(k.startswith("batch=") for k in key)
+        if self.first.stages is None and not smaller:  # the stages of the profiled structure, to compare with
+            self._executor_for((), {k: v for k, v in x0.items() if k not in LOSS_KWARGS})
+        if self.first.stages is not None:
+            names = [n for n, _ in self.first.stages]
+        else:  # unpickled, then first called with a smaller batch: the profiled stages are the chain's
+            names = list(self.chain.names) if self.chain is not None else None
+        what = " and ".join([*(f"the loss argument {k}" for k in key if not k.startswith("batch=")),
+                             *(f"a smaller {k.replace('=', ' of ')}" for k in key if k.startswith("batch="))])
+        ex = self._executor(None)
+        ex._set_stages(self._trace(x0, names, what))
+        return ex
+
+    def _trace(self, x0: Any, names: list[str] | None, what: str) -> list[tuple[str, nn.Module]]:
+        """The model's stages traced on ``x0``: those named ``names`` (the profiled ones; any granularity that
+        gives them), or without names as many as the schedule has; checked against the model's parameters."""
         from .stages import sequentialize
 
-        if self.first.stages is None:  # the stages of the profiled structure, to compare with
-            with self._bypassed():
-                self.first._ensure_stages({k: v for k, v in x0.items() if k not in LOSS_KWARGS})
-        names = [n for n, _ in self.first.stages]
         tried = []
         for granularity in (None, "sublayer", "finest"):
             with self._bypassed():
@@ -458,15 +522,13 @@ class _Applied:
                 except HChainError as exc:
                     tried.append(str(exc).splitlines()[0])
                     continue
-            if [n for n, _ in stages] == names:
-                ex = self._executor(None)
-                ex._set_stages(stages)
+            if [n for n, _ in stages] == names or (names is None and len(stages) == self.first.length):
                 self._check_stages(stages)
-                return ex
+                return stages
             tried.append(f"granularity {granularity!r}: {len(stages)} stages")
         raise InputMismatch(
-            f"with the loss arguments {sorted(LOSS_KWARGS)} the model could not be cut into the profiled stages "
-            f"({'; '.join(tried)}); profile with a batch that has them, as the Trainer passes it")
+            f"with {what} the model could not be cut into the profiled stages ({'; '.join(tried)}); profile with a "
+            f"batch like this one, as training calls the model")
 
     def check_model(self) -> None:
         """Per training call: the model's modules and parameters are those it had when the schedule was applied, and
@@ -487,7 +549,14 @@ class _Applied:
                 ex._forget_draws()
 
 
-_MISSING = object()
+class _Missing:
+    """No instance attribute was there before ``apply`` (one object, also after pickling)."""
+
+    def __reduce__(self) -> str:
+        return "_MISSING"
+
+
+_MISSING = _Missing()
 
 
 def _fingerprint(model: nn.Module) -> _Same:
@@ -584,14 +653,18 @@ class _Structure:
         changed = [k for k in keys if k in self.keys and keys[k] != self.keys[k]]
         allowed = set(extra) <= LOSS_KWARGS and self.form == "dict" and all(
             leaf[0] == "tensor" for k in extra for leaf in keys[k][1])
+        batch = self._smaller_batch(keys, changed) if changed else None
+        if batch is not None:  # the same structure with fewer samples: the same stages, traced again for it
+            changed = []
         if missing or changed or (extra and not allowed):
             lines = [f"{k}: profiled {_describe(self.keys[k])}, called with {_describe(keys[k])}" for k in changed]
             lines += [f"{k}: profiled, missing in the call" for k in missing]
             lines += [f"{k}: in the call ({_describe(keys[k])}), not profiled" for k in extra]
-            hint = ("pad batches to the profiled shapes (e.g. a collator with padding='max_length', "
-                    "TrainingArguments(dataloader_drop_last=True)) or profile with a batch as training calls the "
-                    "model" if changed else "call the model with the arguments it was profiled with, or profile it "
-                    "with a batch as training calls it")
+            hint = ("smaller batches (fewer samples, other sizes equal) are accepted; for these shapes profile again "
+                    "with a batch of them (hcv.remove(model), then hcv.checkpoint(model, batch, ...) or hcv.profile, "
+                    "solve and hcv.apply), or pad batches to the profiled shapes" if changed else
+                    "call the model with the arguments it was profiled with, or profile it with a batch as training "
+                    "calls it")
             raise InputMismatch(
                 "this training call differs from the inputs the schedule was profiled with:\n  - "
                 + "\n  - ".join(lines) + f"\nThe stages run what was traced for the profiled inputs; {hint}")
@@ -601,7 +674,33 @@ class _Structure:
             x0 = tuple(named[k] for k in self.keys)
         else:
             (x0,) = named.values()
-        return x0, tuple(sorted(extra))
+        return x0, tuple(sorted(extra)) + ((f"batch={batch}",) if batch is not None else ())
+
+    def _smaller_batch(self, keys: dict[str, Any], changed: list[str]) -> int | None:
+        """The batch size ``b`` of a call that differs from the profiled one only by a smaller first dimension
+        ``b < B`` of every tensor whose first dimension was the profiled ``B`` (the last, smaller batch of an
+        epoch); None for any other difference. Its peak is at most the profiled one's: every activation that scales
+        with the batch is smaller, the rest is the same."""
+        profiled_batch = small = None
+        for k in changed:
+            (spec_p, leaves_p), (spec_c, leaves_c) = self.keys[k], keys[k]
+            if spec_p != spec_c or len(leaves_p) != len(leaves_c):
+                return None
+            for lp, lc in zip(leaves_p, leaves_c):
+                if lp == lc:
+                    continue
+                if lp[0] != "tensor" or lc[0] != "tensor" or lp[2:] != lc[2:] or len(lp[1]) != len(lc[1]) \
+                        or not lp[1] or lp[1][1:] != lc[1][1:] or not 0 < lc[1][0] < lp[1][0]:
+                    return None
+                if profiled_batch is None:
+                    profiled_batch, small = lp[1][0], lc[1][0]
+                elif (lp[1][0], lc[1][0]) != (profiled_batch, small):
+                    return None
+        unchanged = [leaf for k in self.keys if k in keys for leaf, now in zip(self.keys[k][1], keys[k][1])
+                     if leaf == now and leaf[0] == "tensor"]
+        if any(leaf[1] and leaf[1][0] == profiled_batch for leaf in unchanged):
+            return None  # another tensor of the profiled batch kept it: not one smaller batch
+        return small
 
 
 def _named(state: _Applied, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -27,6 +27,21 @@ Guarantees, as the executor's (DESIGN §5):
   gradients, statistics and the RNG bitwise like the eager plain model). Dynamo's ``backend="eager"`` (no
   AOTAutograd) is the exception: a region that updates statistics fails in the backward with autograd's in-place
   error (loudly, never a wrong number); use inductor or ``aot_eager``.
+
+NOTE [compiled memory]. ``torch.compile(model)`` does not run every tree as the schedule says; measured op by op on
+the partitioned backward graph (``bench compile --native``, DESIGN §5), two things differ, both predicted here:
+
+- a compiled backward is one graph in which each forward node is recomputed at most once, and what it recomputes
+  stays until its last use. Nested regions therefore collapse into their top-level regions, each recomputed once
+  storing everything (``Fck(i) Fn.. `` then ``Fall(i)..Fall(j)``): :func:`compiled_tree`. Single-level trees (each
+  region's body plain stages) run as the schedule says; a nested schedule (the DP's low budgets) runs faster than
+  predicted but holds more (nanoGPT: 1.67x the nested schedule's peak, 1.02x its single-level form's);
+- the parameter gradients are outputs of that one backward graph: each is held from its stage's ``B`` until the
+  whole backward ends (eagerly, each is added into ``.grad`` and freed at once).
+
+:func:`compiled_peak` is the simulator's peak of :func:`compiled_schedule` plus the gradients held at each op;
+:func:`for_compile` picks, for a budget, the fastest schedule whose compiled peak fits. ``hcv.apply(..., native=True)``
+warns when a compiled model's schedule may exceed the peak it was chosen for.
 """
 
 from __future__ import annotations
@@ -40,11 +55,13 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from ..core.schedule import Schedule
+from ..core.chain import Chain
+from ..core.schedule import Op, Schedule
 from ..errors import InvalidSchedule
 from .stages import sequentialize
 
-__all__ = ["NativeSchedule", "NotNative", "segment_tree", "tree_ops", "Region"]
+__all__ = ["NativeSchedule", "NotNative", "segment_tree", "tree_ops", "Region", "compiled_tree", "compiled_schedule",
+           "grad_bytes", "compiled_peak", "for_compile"]
 
 
 class NotNative(InvalidSchedule):
@@ -123,6 +140,81 @@ def tree_ops(tree: tuple, L: int) -> list[tuple[str, int]]:
                 + ops(node.body, False))
 
     return ops(tree, True)
+
+
+def compiled_tree(tree: tuple) -> tuple:
+    """What ``torch.compile`` runs for a segment tree: each top-level region recomputed once, storing everything
+    (see NOTE [compiled memory])."""
+    return tuple(n if isinstance(n, int) else Region(n.start, n.end, tuple(range(n.start, n.end + 1))) for n in tree)
+
+
+def compiled_schedule(schedule: Schedule) -> Schedule:
+    """The schedule ``torch.compile`` runs for ``schedule`` in the native form (itself when it is single-level)."""
+    tree = segment_tree(schedule)
+    flat = compiled_tree(tree)
+    if flat == tree:
+        return schedule
+    L = next(op.stage for op in schedule.ops if op.kind == "Loss")
+    return Schedule(tuple(Op(kind, i) for kind, i in tree_ops(flat, L)),
+                    meta={**schedule.meta, "compiled_form_of": schedule.meta.get("strategy", "schedule")})
+
+
+def grad_bytes(stages: list[nn.Module]) -> list[int]:
+    """Per stage, the bytes of the parameter gradients its backward creates first (a parameter shared by stages is
+    counted at the last of them: the backward reaches it first)."""
+    seen: set[int] = set()
+    out = [0] * len(stages)
+    for i in reversed(range(len(stages))):
+        for p in stages[i].parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out[i] += p.numel() * p.element_size()
+    return out
+
+
+def compiled_peak(chain: Chain, schedule: Schedule, grads: list[int]) -> int:
+    """Predicted peak of ``schedule`` in the native form compiled whole: the simulator's peak of
+    :func:`compiled_schedule`, with each stage's parameter gradients (``grads``, from :func:`grad_bytes`) held from
+    its ``B`` to the end of the step."""
+    from ..core.simulate import simulate
+
+    held = peak = 0
+    for e in simulate(chain, compiled_schedule(schedule)).events:
+        peak = max(peak, e.mem_peak + held)
+        if e.op.kind == "B":
+            held += grads[e.op.stage]
+    return peak
+
+
+def for_compile(solution: Any, budget: int, grads: list[int]) -> Schedule:
+    """The fastest schedule of ``solution`` (a :class:`~hchain_viz.Solution`) whose compiled native form fits
+    ``budget`` (:func:`compiled_peak`), returned as that form (single-level: eager and compiled run the same
+    recomputations). Raises :class:`~hchain_viz.InvalidSchedule` when none fits."""
+    from ..core.simulate import simulate
+
+    chain = solution.chain
+    best, seen = None, set()
+    lo = solution.min_budget
+    for k in range(33):  # budgets from `budget` down to the least: the DP's schedules there, in compiled form
+        b = budget - (budget - lo) * k // 32
+        if b < lo:
+            break
+        try:
+            s = compiled_schedule(solution.schedule(b))
+        except NotNative:  # a baseline that is no tree (never the DP's own schedules)
+            continue
+        if s.ops in seen:
+            continue
+        seen.add(s.ops)
+        if compiled_peak(chain, s, grads) <= budget:
+            t = simulate(chain, s).makespan
+            if best is None or t < best[0]:
+                best = (t, s)
+    if best is None:
+        raise InvalidSchedule(f"no schedule of this chain fits {budget} bytes when compiled whole (the parameter "
+                              f"gradients alone are {sum(grads)} bytes until the backward ends); raise the budget or "
+                              f"run the schedule by the executor")
+    return Schedule(best[1].ops, meta={**best[1].meta, "strategy": "for_compile", "budget": budget})
 
 
 class NativeSchedule:
