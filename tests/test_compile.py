@@ -351,3 +351,45 @@ def test_native_form_in_eager_mode_is_bitwise_like_eager_and_refuses_offloading(
     hcv.remove(model)
     with pytest.raises(NotNative, match="Off/Pre"):
         hcv.apply(model, hcv.Schedule.parse("Fall0 Off0 Fall1 Loss B1 Pre0 B0"), native=True)
+
+
+def test_native_form_compiled_whole_measures_its_compiled_prediction():
+    """torch.compile's partitioner (min-cut, as inductor; aot_eager_decomp_partition runs its graphs without
+    inductor's code generation) recomputes each node once and holds the parameter gradients to the end of the
+    backward: a nested schedule measures above its eager prediction, at its compiled one (runtime/native.py), and
+    warns; the schedule for_compile picks fits its budget compiled, without a warning."""
+    import copy
+    import warnings
+
+    import hchain_viz as hcv
+    from hchain_viz.core.simulate import simulate
+    from hchain_viz.runtime.native import compiled_peak, compiled_schedule, for_compile, grad_bytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), nn.Tanh())])
+    x = torch.randn(512, 256)  # activations (6 MiB) above the gradients held (1.5 MiB)
+
+    def loss_fn(out):
+        return out.pow(2).mean()
+
+    chain = hcv.profile(model, x, loss_fn, warmup=0, repeats=1, progress=False)
+    sol = hcv.solve(chain)
+    grads = grad_bytes(list(model))
+    nested = sol.schedule(sol.min_budget)
+    budget = (sol.min_budget + sol.store_all_peak) // 2
+    fit = for_compile(sol, budget, grads)
+    assert compiled_schedule(nested) is not nested and fit.n_recomputed > 0
+    for schedule in (nested, fit):
+        net = copy.deepcopy(model)
+        hcv.apply(net, schedule, chain=chain, native=True)
+        compiled = torch.compile(net, backend="aot_eager_decomp_partition")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            measured = hcv.measure(compiled, x, loss_fn, repeats=1).peak_bytes
+        predicted = compiled_peak(chain, schedule, grads)
+        warned = [w for w in caught if "compiled whole it is predicted" in str(w.message)]
+        assert 0.9 * predicted <= measured <= predicted, (measured / predicted, str(schedule))
+        if schedule is nested:
+            assert measured > 1.1 * simulate(chain, nested).peak_memory and len(warned) == 1
+        else:
+            assert measured <= budget and not warned

@@ -268,8 +268,8 @@ class _Applied:
         self.first: Any = self._executor(None)  # None after unpickling: rebuilt at the next training call
         if chain is not None:
             self._check_chain(chain)
-        self.fingerprint = _fingerprint(model)
-        self.modes = _modes(model)
+        objects, self.modes, _ = _walk(model)
+        self.fingerprint = _Same(objects)
 
     def __getstate__(self) -> dict:
         """Pickled (``torch.save(model)``, ``copy.deepcopy``) without its executors: they hold traced stages, which
@@ -534,15 +534,14 @@ class _Applied:
         """Per training call: the model's modules and parameters are those it had when the schedule was applied, and
         Hugging Face's checkpointing is off."""
         model = self.model
-        modules = list(model.modules())
-        if _Same([*modules, *model.parameters()]) != self.fingerprint:
+        objects, modes, hf_on = _walk(model)
+        if _Same(objects) != self.fingerprint:
             raise ScheduleMismatch(
                 f"the modules or parameters of this {type(model).__name__} changed after the schedule was applied "
                 f"(adapters added, a layer replaced, parameters sharded or re-created): its stages would run the old "
                 f"ones. Call hcv.remove(model), profile the model as it is now, and apply the new schedule")
-        if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
+        if hf_on:
             _refuse_hf_checkpointing(model, when="call")
-        modes = tuple(m.training for m in modules)
         if modes != self.modes:  # dropout may come and go with submodules' modes: learn again which stages draw
             self.modes = modes
             for ex in self.executors.values():
@@ -559,8 +558,19 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def _fingerprint(model: nn.Module) -> _Same:
-    return _Same([*model.modules(), *model.parameters()])
+def _walk(model: nn.Module) -> tuple[list, tuple[bool, ...], bool]:
+    """One pass over the model, per training call (about 0.1 ms for a small GPT-2): its modules and their own
+    parameters (objects, for :class:`_Same`), their training modes, and whether Hugging Face's checkpointing is on
+    in any (an instance attribute, read from ``__dict__``: ``getattr`` on a module without it costs an exception)."""
+    objects: list = []
+    modes = []
+    hf_on = False
+    for m in model.modules():
+        objects.append(m)
+        objects.extend(p for p in m._parameters.values() if p is not None)
+        modes.append(m.training)
+        hf_on = hf_on or m.__dict__.get("gradient_checkpointing") is True
+    return objects, tuple(modes), hf_on
 
 
 class _Same:
@@ -574,10 +584,6 @@ class _Same:
                 and all(a is b for a, b in zip(self.objects, other.objects)))
 
     __hash__ = None  # type: ignore[assignment]
-
-
-def _modes(model: nn.Module) -> tuple[bool, ...]:
-    return tuple(m.training for m in model.modules())
 
 
 # ---------------------------------------------------------------------------------------------- call structure
