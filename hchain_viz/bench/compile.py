@@ -21,8 +21,9 @@ configuration alike), with the spread (max - min over rounds, relative to the me
 from ``NATIVE``, changed with ``--set gpt2.seq=128``), the schedule applied in its native form
 (``hcv.apply(model, schedule, native=True)``: nested non-reentrant checkpoint regions) and the whole model compiled
 by ``torch.compile`` (inductor), against ``torch.compile``'s ``activation_memory_budget`` at equal measured memory
-(the allocator-event meter sees compiled code). Candidates are the DP schedules of the eager-profiled chain at
-``--candidates`` budgets spread from the least to store-all, in the form torch.compile runs them
+(the allocator-event meter sees compiled code). Candidates are the DP schedules at ``--candidates`` budgets spread
+from the least to store-all, solved on the chain profiled with compiled stages (``--chain compiled``, the default:
+its saved tensors are inductor's, fewer than eager's) and taken in the form torch.compile runs them
 (``runtime/native.py``, NOTE [compiled memory]: single-level), each applied to its own copy of the model and compiled
 once; per compile budget, the fastest whose measured peak is at most compile's. ``meas/pred`` is the measured peak
 over ``compiled_peak`` (the simulator's peak of that form plus the parameter gradients the compiled backward holds).
@@ -51,8 +52,8 @@ SIZES = {  # CPU-sized demos (compiling is the slow part on a small machine)
 # --native: sizes where one eager step takes >= 100 ms on one CPU thread, with few layers (compiling is per node)
 NATIVE = {
     "resnet_chain": dict(batch=16, image=64, width=16, blocks=(1, 1)),
-    "nanogpt": dict(batch=8, seq=256, dim=128, heads=4, layers=2, vocab=256, dropout=0.1),
-    "gpt2": dict(batch=8, seq=256, hidden=128, heads=4, layers=2, vocab=256),
+    "nanogpt": dict(batch=8, seq=128, dim=128, heads=4, layers=2, vocab=256, dropout=0.1),
+    "gpt2": dict(batch=8, seq=128, hidden=128, heads=4, layers=2, vocab=256),
 }
 SMALL = {
     "gpt2": dict(batch=2, seq=16, hidden=32, heads=2, layers=2, vocab=64),
@@ -79,6 +80,9 @@ def run(args: list[str]) -> None:
                         help="the schedule in its native form compiled whole, against activation_memory_budget")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE",
                         help="--native: change a model's size, e.g. --set gpt2.seq=128 (repeatable)")
+    parser.add_argument("--chain", choices=("compiled", "eager"), default="compiled",
+                        help="--native: the chain the schedules are solved on and predicted by: profiled with "
+                             "compiled stages (what inductor saves) or eager")
     parser.add_argument("--candidates", type=positive_int, default=6,
                         help="--native: DP schedules compiled (least budget to store-all)")
     opts = parser.parse_args(args)
@@ -103,7 +107,7 @@ def run(args: list[str]) -> None:
     native_sizes = _sizes(NATIVE, opts.set)
     for name in [n.strip() for n in opts.models.split(",")]:
         sizes = (SMALL if opts.small else native_sizes if opts.native else SIZES).get(name, {})
-        summary.append(_native(name, sizes, budgets, rounds, opts.candidates) if opts.native
+        summary.append(_native(name, sizes, budgets, rounds, opts.candidates, opts.chain) if opts.native
                        else _one_model(name, sizes, budgets, rounds))
     print()
     for line in summary:
@@ -253,7 +257,8 @@ def _one_model(name: str, sizes: dict, budgets: list[float], rounds: int) -> str
             f"{len(speedups)} points); measured/predicted peak {min(ratios):.3f}..{max(ratios):.3f}")
 
 
-def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candidates: int) -> str:
+def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candidates: int,
+            chain_kind: str = "compiled") -> str:
     """The native form compiled whole (inductor) against torch.compile's activation_memory_budget, measured."""
     import copy
 
@@ -272,7 +277,9 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
     compiled = {b: caller(torch.compile(model, backend=budget_backend(b))) for b in budgets}
     c_peak = {b: measure(m, x, loss_fn, repeats=1).peak_bytes for b, m in compiled.items()}
     t_knob = time.perf_counter() - t0
-    chain = profile(model, x, loss_fn, granularity=granularity, progress=False)
+    # Compiled whole, each stage saves what inductor's partitioner keeps (less than eager: fused pointwise ops,
+    # boolean dropout masks); the chain profiled with compiled stages says so, and solves for compiled speed.
+    chain = profile(model, x, loss_fn, granularity=granularity, compile=chain_kind == "compiled", progress=False)
     grads = grad_bytes([m for _, m in sequentialize(model, x, granularity=granularity)])
     sol = solve(chain)
     lo, hi = sol.min_budget, sol.store_all_peak
@@ -310,7 +317,8 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
     low = min(cands.values(), key=lambda c: c[1])
     ratios = [c[1] / c[4] for c in cands.values()]
     print()
-    print(f"{name} {sizes}: {chain.length} stages; eager step {_fmt_t(t_of[id(eager)], format_time)}; setup "
+    print(f"{name} {sizes}: {chain.length} stages ({chain_kind} chain); eager step "
+          f"{_fmt_t(t_of[id(eager)], format_time)}; setup "
           f"(compiling {len(cands) + len(budgets)} graphs, profiling, measuring) {setup:.0f} s "
           f"(the {len(budgets)} knob graphs {t_knob:.0f} s)")
     print_table(head, rows, left=1)
