@@ -387,9 +387,10 @@ def test_native_form_compiled_whole_measures_its_compiled_prediction():
             warnings.simplefilter("always")
             measured = hcv.measure(compiled, x, loss_fn, repeats=1).peak_bytes
         predicted = compiled_peak(chain, schedule, grads)
-        warned = [w for w in caught if "compiled whole it is predicted" in str(w.message)]
+        warned = [str(w.message) for w in caught if "torch.compile of a model trained by" in str(w.message)]
         assert 0.9 * predicted <= measured <= predicted, (measured / predicted, str(schedule))
         if schedule is nested:
-            assert measured > 1.1 * simulate(chain, nested).peak_memory and len(warned) == 1
-        else:
-            assert measured <= budget and not warned
+            assert measured > 1.1 * simulate(chain, nested).peak_memory
+            assert len(warned) == 1 and "compiled whole it is predicted" in warned[0]
+        else:  # within its budget; the warning left is inductor's scheduling (this backend has none)
+            assert measured <= budget and len(warned) == 1 and "inductor's kernel scheduling" in warned[0]

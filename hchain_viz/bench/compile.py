@@ -324,7 +324,8 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
     print_table(head, rows, left=1)
     print("  candidates (compiled form): " + "; ".join(
         f"{c[2].n_recomputed} recomputed: {format_bytes(c[1])} measured / {format_bytes(c[4])} predicted "
-        f"(eager form {format_bytes(simulate(chain, c[2]).peak_memory)}) in {format_time(t_of[id(c[0])][0])}"
+        f"(without held gradients {format_bytes(simulate(chain, c[2]).peak_memory)}) "
+        f"in {format_time(t_of[id(c[0])][0])}"
         for c in sorted(cands.values(), key=lambda c: c[1])))
     print(f"  parameter gradients held by the compiled backward: {format_bytes(sum(grads))}")
     least = low[1] / min(c_peak.values())

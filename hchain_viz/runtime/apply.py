@@ -16,10 +16,12 @@ not registered in it: ``state_dict``, ``parameters()`` and ``modules()`` are the
 ``torch.utils.checkpoint`` regions instead (``runtime/native.py``), which ``torch.compile(model)`` compiles whole.
 
 Calls by keywords (``model(**batch)``, as Hugging Face code calls) and with the dict itself (``model(batch)``, the
-convention of ``hcv.profile``) are the same structure. One addition is accepted: the loss arguments Hugging Face's
-Trainer adds to the profiled batch (``num_items_in_batch``): they change the loss only, so the stages are traced
-once more with them and must come out the same (same names); anything else that differs raises
-:class:`InputMismatch`.
+convention of ``hcv.profile``) are the same structure. Two differences are accepted, each with the stages traced once
+more for it (and cached), which must come out the same (same names): the loss arguments Hugging Face's Trainer adds
+to the profiled batch (``num_items_in_batch``: they change the loss only), and a smaller batch (every tensor of the
+profiled batch size with fewer samples, other sizes equal: the last batch of an epoch; its memory is at most the
+schedule's). Anything else that differs raises :class:`InputMismatch`. An applied model pickles
+(``torch.save(model)``): its executors are left out and rebuilt at the next training call.
 """
 
 from __future__ import annotations
@@ -425,7 +427,8 @@ class _Applied:
 
     def _warn_compiled(self, ex: Any) -> None:
         """torch.compile(model) of the native form: warn when its memory may exceed the schedule's prediction
-        (NOTE [compiled memory] in runtime/native.py)."""
+        (NOTE [compiled memory] in runtime/native.py): always when it recomputes, with the numbers where a chain
+        was given."""
         import warnings
 
         from ..core.simulate import simulate
@@ -433,8 +436,9 @@ class _Applied:
 
         fix = ("pick the schedule for a compiled model with hcv.checkpoint(model, batch, budget, native=True) or "
                "hchain_viz.runtime.native.for_compile(solution, budget, grad_bytes(stages))")
-        if self.schedule.meta.get("strategy") == "for_compile":
-            return
+        inductor = ("inductor's kernel scheduling can hold more than that when a region recomputes (measured up to "
+                    "1.24x on nanoGPT, docs/compile.md): measure the compiled step (hcv.measure(compiled, batch)) "
+                    "before relying on the budget")
         if self.chain is None:
             warnings.warn(f"torch.compile of a model trained by a native schedule: compiled whole, nested checkpoint "
                           f"regions are recomputed once each and parameter gradients are held until the backward "
@@ -447,7 +451,12 @@ class _Applied:
             warnings.warn(f"torch.compile of a model trained by a native schedule predicted at "
                           f"{format_bytes(eager)}: compiled whole it is predicted at {format_bytes(compiled)} "
                           f"({compiled / eager:.2f}x; nested checkpoint regions are recomputed once each and "
-                          f"parameter gradients are held until the backward ends); {fix}", stacklevel=2)
+                          f"parameter gradients are held until the backward ends); {fix}. Also, {inductor}",
+                          stacklevel=2)
+        elif self.schedule.n_recomputed:
+            warnings.warn(f"torch.compile of a model trained by a native schedule that recomputes: its compiled peak "
+                          f"is predicted at {format_bytes(compiled)} (AOTAutograd's partition, measured within "
+                          f"0.9-1.0 of it); {inductor}", stacklevel=2)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         """The executor and x_0 for a training call, after checking the model and the call's structure."""
