@@ -12,7 +12,7 @@ import pytest
 
 from hchain_viz.core.chain import Chain
 from hchain_viz.core.schedule import Schedule
-from hchain_viz.core.simulate import Item, simulate
+from hchain_viz.core.simulate import Item, peak_and_makespan, simulate
 from hchain_viz.errors import InvalidSchedule
 
 CH = Chain(fwd_time=[1.0, 2.0], bwd_time=[3.0, 4.0], x=[1, 2, 4], xbar=[8, 16], fwd_tmp=[32, 64], bwd_tmp=[128, 256])
@@ -300,3 +300,28 @@ def test_remat_only_schedules_simulate_exactly_as_before_transfers(seed):
                 assert got == events
                 assert [tuple(lt) for lt in trace.lifetimes] == spans
                 assert trace.makespan == (events[-1][3] if events else 0.0) and trace.idle == ()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_peak_and_makespan_is_the_traces(seed):
+    """The replay without a record (what scores the baselines) gives the trace's peak and makespan exactly, with
+    shared tensors (a transformer), transfers, and invalid schedules raising the same error at the same op."""
+    from hchain_viz.core import strategies
+
+    chains = [Chain.random(3 + 2 * seed, seed=seed, zero_fraction=0.2 if seed % 2 else 0.0),
+              Chain.transformer(1 + seed % 3, seq=64)]
+    for chain in chains:
+        schedules = _schedules_of(chain)
+        schedules += [s for cands in strategies._candidates(chain).values() for *_, s in cands]
+        for schedule in schedules:
+            trace = simulate(chain, schedule)
+            assert peak_and_makespan(chain, schedule) == (trace.peak_memory, trace.makespan)
+    for chain, text in ((Chain.random(4, seed=seed).with_bandwidth(1e9), "Fall0 Fall1 Off0 Fall2 Fall3 Loss B3 Pre0 B2 "
+                         "B1 B0"), (CH.with_bandwidth(4), "Fall0 Fall1 Off0 Loss Pre0 B1 B0")):
+        trace = simulate(chain, Schedule.parse(text))
+        assert trace.n_transfers and peak_and_makespan(chain, Schedule.parse(text)) == (trace.peak_memory,
+                                                                                         trace.makespan)
+    for text, index in (("Fall0 Fall1 Loss B0 B1", 3), ("Fall0 Fall1 Loss B1", 4)):
+        with pytest.raises(InvalidSchedule) as info:
+            peak_and_makespan(CH, Schedule.parse(text))
+        assert info.value.index == index

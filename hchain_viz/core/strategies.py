@@ -45,7 +45,7 @@ from functools import lru_cache
 from ..errors import HChainError, InfeasibleBudget
 from .chain import Chain
 from .schedule import Op, Schedule
-from .simulate import simulate
+from .simulate import peak_and_makespan
 from .units import format_bytes, parse_bytes
 
 __all__ = [
@@ -486,8 +486,7 @@ def _segmented(chain: Chain, starts: tuple[int, ...], meta: dict) -> Schedule:
 @lru_cache(maxsize=4096)
 def _score(chain: Chain, schedule: Schedule) -> Point:
     """(peak, makespan) of a simulated schedule; cached because budget sweeps re-score the same candidates."""
-    trace = simulate(chain, schedule)
-    return trace.peak_memory, trace.makespan
+    return peak_and_makespan(chain, schedule)
 
 
 def _parse_budget(budget: Budget) -> int | None:
