@@ -345,7 +345,8 @@ def _starts(user: list[tuple[str, nn.Module]], names: tuple[str, ...], segments:
     owner: list[int | None] = []
     for name in names:
         # the child the stage's path starts with, once leading containers are dropped ("features.denseblock1")
-        path, found = name.split("+")[0].split("."), None
+        # (a stem part holding several children, "stem.bn1..relu", is named after its first)
+        path, found = name.split("+")[0].split("..")[0].split("."), None
         while path and found is None:
             found = next((k for k, c in enumerate(child_names) if path[: c.count(".") + 1] == c.split(".")), None)
             path = path[1:]
