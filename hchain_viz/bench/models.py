@@ -21,7 +21,9 @@ Pareto-efficient segment count n (measured peak, step time). At n's measured pea
 granular chain; per granularity the table gives the stages, the least feasible budget (the solver's, and its ratio
 to module granularity's), and the mean gain over the Pareto-efficient n, measured (interleaved rounds, all
 granularities in the same rounds) and simulated (the optimum's predicted step time against checkpoint_sequential's
-on a profile of the user's chain). ``docs/cnn.md`` has the table and what it shows.
+on a profile of the user's chain). It also gives the least budget with every transient zero, store-all through the
+executor over eager in the same rounds, and, per row, the op of the least schedule that sets its least budget
+(what is resident before it and what it adds). ``docs/cnn.md`` has the table and what it shows.
 """
 
 from __future__ import annotations
