@@ -2,7 +2,8 @@
 block), found from the module each op belongs to. Sub-layer granularity: each block cut again between its heavy ops
 (projections, convolutions, attention products, softmax), where a few tensors cross: the residual stream or a
 residual block's input beside the current value, or a dense block's feature maps so far (values only concatenations
-still read, counted as one however many). A mixin of ``_Plan`` (plan.py), whose analysis (``order``, ``crossing``,
+still read, counted as one however many); a CNN's stem (before the first block, holding a convolution) is cut
+between its layers. A mixin of ``_Plan`` (plan.py), whose analysis (``order``, ``crossing``,
 ``param``, ``const``, ``info``) it reads."""
 
 from __future__ import annotations
