@@ -176,11 +176,12 @@ def test_bottlenecks_cut_after_each_convolution_carrying_the_skip():
     module = extract_stages(model, x)
     assert [n for n, _ in module] == ["stem", "layer1.0", "layer1.1", "layer2.0", "layer2.1", "head"]
     chain, stages = _trains_like_eager(model, x)
-    assert chain.names == ("stem", "layer1.0.conv1", "layer1.0.conv2", "layer1.0.conv3",
+    # The stem, at full resolution, is cut between its layers too (F.relu, of the model's own forward, by its op).
+    assert chain.names == ("stem.conv1", "stem.bn1", "stem.relu", "layer1.0.conv1", "layer1.0.conv2", "layer1.0.conv3",
                            "layer1.1.conv1", "layer1.1.conv2", "layer1.1.conv3",
                            "layer2.0.conv1", "layer2.0.conv2", "layer2.0.conv3", "layer2.0.downsample",
                            "layer2.1.conv1", "layer2.1.conv2", "layer2.1.conv3", "head")
-    assert [s.group for _, s in stages] == [None] + ["layer1.0"] * 3 + ["layer1.1"] * 3 + ["layer2.0"] * 4 \
+    assert [s.group for _, s in stages] == [None] * 3 + ["layer1.0"] * 3 + ["layer1.1"] * 3 + ["layer2.0"] * 4 \
         + ["layer2.1"] * 3 + [None]
     # Inside a block the cut carries (block input, current value): the skip is the tensor the block received, the
     # same object at every cut of the block (counted once by the profiler and the simulator).
@@ -189,7 +190,7 @@ def test_bottlenecks_cut_after_each_convolution_carrying_the_skip():
         for name, stage in stages:
             before = h
             h = stage(h)
-            if name.endswith(("conv1", "conv2")):
+            if name.startswith("layer") and name.endswith(("conv1", "conv2")):
                 assert isinstance(h, tuple) and len(h) == 2, name
                 skip = before if not isinstance(before, tuple) else before[0]
                 assert h[0] is skip, name
@@ -249,6 +250,10 @@ def test_bench_replays_checkpoint_sequential_over_the_children_on_a_finer_chain(
     # stage whose path merely contains "conv1")
     assert _starts(user, names, 3) == (0, 4)  # 0-1 | 2-3 | 4-6: maxpool lies in the stem, layer2 at layer2.0.conv1
     assert _starts(user, names, 7) == (0, 1, 4, 6)  # avgpool and fc both in the head
+    # a stem cut between its layers: each part starts where its first child does
+    cut = ("stem.conv1", "stem.bn1..relu", "stem.maxpool", "layer1.0.conv1", "layer2.0.conv1", "head")
+    assert _starts(user, cut, 3) == (0, 2, 4)  # 0-1 | 2-3 | 4-6
+    assert _starts(user, cut, 7) == (0, 1, 2, 3, 4, 5)
     dense = [(n, nn.Identity()) for n in ("conv0", "norm0+relu0", "denseblock1", "transition1", "norm5")]
     assert _starts(dense, ("features.conv0", "features.norm0+features.relu0", "features.denseblock1",
                            "features.transition1.conv", "features.norm5"), 5) == (0, 1, 2, 3, 4)

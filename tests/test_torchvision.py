@@ -114,9 +114,10 @@ def _sublayer_sweep(model, x):
 
 # name -> (stages at module granularity (the structural chain), stages at "sublayer", names that must appear)
 CNN_SUBLAYER = {
-    "resnet50": (22, 54, ["layer1.0.conv1", "layer1.0.downsample", "layer3.2.conv2", "layer4.2.conv3"]),
-    "densenet121": (20, 121, ["denseblock1.denselayer1.conv1", "denseblock2.denselayer5.conv2", "transition3",
-                              "denseblock4.denselayer16.conv2"]),
+    "resnet50": (22, 56, ["stem.conv1", "stem.bn1..relu", "stem.maxpool", "layer1.0.conv1", "layer1.0.downsample",
+                          "layer3.2.conv2", "layer4.2.conv3"]),
+    "densenet121": (20, 123, ["stem.conv0", "stem.norm0..relu0", "stem.pool0", "denseblock1.denselayer1.conv1",
+                              "denseblock2.denselayer5.conv2", "transition3", "denseblock4.denselayer16.conv2"]),
 }
 
 
@@ -132,7 +133,9 @@ def test_torchvision_cnn_blocks_cut_inside_at_sublayer(name):
     assert len(hcv.sequentialize(model, x)) == module  # the structural chain stays the default
     chain, stages = _sublayer_sweep(model, x)
     assert chain.length == sublayer and set(expected) <= set(chain.names), chain.names
-    for stage_name, stage in stages[1:-1]:  # each stage of a block is grouped under that block
+    assert [n for n, _ in stages[:3]] == [n for n in expected if n.startswith("stem.")]  # the stem, cut
+    assert all(stage.group is None for _, stage in stages[:3])
+    for stage_name, stage in stages[3:-1]:  # each stage of a block is grouped under that block
         assert stage.group is not None and stage_name.startswith(stage.group + ".") or stage_name == stage.group
 
 

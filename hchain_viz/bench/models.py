@@ -21,7 +21,9 @@ Pareto-efficient segment count n (measured peak, step time). At n's measured pea
 granular chain; per granularity the table gives the stages, the least feasible budget (the solver's, and its ratio
 to module granularity's), and the mean gain over the Pareto-efficient n, measured (interleaved rounds, all
 granularities in the same rounds) and simulated (the optimum's predicted step time against checkpoint_sequential's
-on a profile of the user's chain). ``docs/cnn.md`` has the table and what it shows.
+on a profile of the user's chain). It also gives the least budget with every transient zero, store-all through the
+executor over eager in the same rounds, and, per row, the op of the least schedule that sets its least budget
+(what is resident before it and what it adds). ``docs/cnn.md`` has the table and what it shows.
 """
 
 from __future__ import annotations
@@ -218,18 +220,51 @@ def _run_cnn(opts: Any) -> None:
     print(f"CNN benchmark: torch {torch.__version__}, cpu, {torch.get_num_threads()} threads, batch {opts.batch}, "
           f"step times: median of {opts.rounds} interleaved rounds, peaks measured with hchain_viz.measure; baseline: "
           f"checkpoint_sequential over the top-level children")
-    head = ("model", "input", "granularity", "stages", "least budget", "vs module", "ckpt_seq Pareto n",
-            "measured gain", "simulated gain", "measured / simulated", "ceiling (store-all)")
-    rows = []
+    head = ("model", "input", "granularity", "stages", "least budget", "vs module", "least, no transients",
+            "ckpt_seq Pareto n", "measured gain", "simulated gain", "measured / simulated", "ceiling (store-all)",
+            "store-all: executor / eager")
+    rows, floors = [], []
     for name in (n.strip() for n in opts.cnn_models.split(",") if n.strip()):
         if name not in CNN:
             raise SystemExit(f"unknown CNN {name!r}; choose from {', '.join(CNN)}")
         try:
-            rows += _bench_cnn(name, opts)
+            got, why = _bench_cnn(name, opts)
+            rows += got
+            floors += why
         except _Unavailable as exc:
-            rows.append((name, "", f"skipped: {exc}", *[""] * 8))
+            rows.append((name, "", f"skipped: {exc}", *[""] * (len(head) - 3)))
     print()
     print_table(head, rows, left=3)
+    print("\nWhat sets each least budget (the simulated peak of the least schedule: the op, what is resident "
+          "before it, and what the op adds):")
+    for line in floors:
+        print("  " + line)
+
+
+def _floor(chain: Any) -> tuple[int, str]:
+    """The least budget with every transient (forward, no-grad, backward) set to zero, and a line saying which op of
+    the least schedule reaches its peak: what is resident before that op and what the op adds."""
+    import dataclasses
+
+    from ..core.simulate import simulate
+    from ..core.solver import solve
+
+    L = len(chain.names)
+    zero = (0,) * L
+    bare = solve_least(dataclasses.replace(chain, fwd_tmp=zero, bwd_tmp=zero, nograd_tmp=zero))
+    sol = solve(chain)
+    trace = simulate(chain, sol.schedule(sol.min_budget))
+    k = trace.peak_index
+    event = trace.events[k]
+    name = lambda i: chain.names[min(i, L - 1)]  # noqa: E731
+    before = trace.events[k - 1].resident if k else ()
+    held = ", ".join(f"{it.kind}[{it.stage if it.kind == 'x' else name(it.stage)}] {_mib(it.size)}"
+                     for it in before if it.size)
+    op = event.op
+    adds = (f"δ_{op.stage} {_mib(chain.delta_bytes[op.stage])} + bwd_tmp {_mib(chain.bwd_tmp[op.stage])}"
+            if op.kind == "B" else f"{_mib(event.mem_peak - event.mem_before)}")
+    return bare, (f"{op} ({name(op.stage)}): peak {_mib(event.mem_peak)} = {_mib(event.mem_before)} resident ({held}) "
+                  f"+ {adds}")
 
 
 def _user_stages(name: str, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -288,8 +323,10 @@ def _bench_cnn(name: str, opts: Any) -> list[tuple]:
         ckpt = [_CheckpointSequential(seq, n) for n in range(1, L + 1)]
         ckpt_peaks = [measure(m, x, loss_fn, repeats=1).peak_bytes for m in ckpt]
         per_g = []  # (granularity, stages, chain, least budget, {budget: (module, predicted time)}, ckpt predicted)
+        stage_lists = []
         for g in GRANULARITIES:
             stages = sequentialize(model, x) if g == "module" else sequentialize(model, x, granularity=g)
+            stage_lists.append(stages)
             chain = profile(stages, x, loss_fn, progress=False)
             least = solve_least(chain)
             g_seq = nn.Sequential(*[m for _, m in stages])
@@ -303,15 +340,21 @@ def _bench_cnn(name: str, opts: Any) -> list[tuple]:
             ckpt_sim = [simulate(chain, _segmented(chain, _starts(user, chain.names, n), {})).makespan
                         for n in range(1, L + 1)]
             per_g.append((g, len(stages), chain, least, runs, ckpt_sim))
-    modules = list(ckpt) + [m for entry in per_g for m, _ in entry[4].values()]
+    # store-all through the executor beside eager, in the same rounds: what the executor itself costs
+    plain = [model] + [wrap(nn.Sequential(*[m for _, m in st]), store_all(entry[2]))
+                       for st, entry in zip(stage_lists, per_g)]
+    modules = list(ckpt) + [m for entry in per_g for m, _ in entry[4].values()] + plain
     times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
+    eager_time, executor_times = times[-len(plain)], times[-len(plain) + 1:]
     for p in model.parameters():
         p.grad = None
     ckpt_times = times[:L]
     keep = pareto_efficient(list(zip(ckpt_peaks, ckpt_times)))
-    offset, rows = L, []
+    offset, rows, floors = L, [], []
     module_least = per_g[0][3]
-    for g, n_stages, chain, least, runs, ckpt_sim in per_g:
+    for (g, n_stages, chain, least, runs, ckpt_sim), executor_time in zip(per_g, executor_times):
+        bare, why = _floor(chain)
+        floors.append(f"{name} {g}: {why}")
         opt_times = dict(zip(runs, times[offset: offset + len(runs)]))
         offset += len(runs)
         opt_peaks = {b: measure(m, x, loss_fn, repeats=1).peak_bytes for b, (m, _) in runs.items()}
@@ -331,9 +374,11 @@ def _bench_cnn(name: str, opts: Any) -> list[tuple]:
         mean = lambda v: statistics.mean(v) if v else float("nan")  # noqa: E731
         m_gain, s_gain = mean(measured), mean(simulated)
         rows.append((name, shape, g, str(n_stages), _mib(least), f"{module_least / least:.2f}x",
-                     f"{len(measured)}/{points}", f"{100 * m_gain:+.1f}%", f"{100 * s_gain:+.1f}%",
-                     f"{m_gain / s_gain:.2f}" if s_gain else "n/a", f"{100 * mean(ceiling):+.1f}%"))
-    return rows
+                     f"{_mib(bare)} ({module_least / bare:.2f}x)", f"{len(measured)}/{points}",
+                     f"{100 * m_gain:+.1f}%", f"{100 * s_gain:+.1f}%",
+                     f"{m_gain / s_gain:.2f}" if s_gain else "n/a", f"{100 * mean(ceiling):+.1f}%",
+                     f"{executor_time / eager_time:.2f}"))
+    return rows, floors
 
 
 def _starts(user: list[tuple[str, nn.Module]], names: tuple[str, ...], segments: int) -> tuple[int, ...]:
@@ -345,7 +390,8 @@ def _starts(user: list[tuple[str, nn.Module]], names: tuple[str, ...], segments:
     owner: list[int | None] = []
     for name in names:
         # the child the stage's path starts with, once leading containers are dropped ("features.denseblock1")
-        path, found = name.split("+")[0].split("."), None
+        # (a stem part holding several children, "stem.bn1..relu", is named after its first)
+        path, found = name.split("+")[0].split("..")[0].split("."), None
         while path and found is None:
             found = next((k for k, c in enumerate(child_names) if path[: c.count(".") + 1] == c.split(".")), None)
             path = path[1:]

@@ -2,7 +2,8 @@
 block), found from the module each op belongs to. Sub-layer granularity: each block cut again between its heavy ops
 (projections, convolutions, attention products, softmax), where a few tensors cross: the residual stream or a
 residual block's input beside the current value, or a dense block's feature maps so far (values only concatenations
-still read, counted as one however many). A mixin of ``_Plan`` (plan.py), whose analysis (``order``, ``crossing``,
+still read, counted as one however many); a CNN's stem (before the first block, holding a convolution) is cut
+between its layers. A mixin of ``_Plan`` (plan.py), whose analysis (``order``, ``crossing``,
 ``param``, ``const``, ``info``) it reads."""
 
 from __future__ import annotations
@@ -104,9 +105,10 @@ class _Cuts:
             alike.setdefault(tuple(_target_name(n) for n in self.order[a: b + 1]), []).append(index)
         for index, (a, b) in enumerate(segments):
             if index not in windows:
-                out.append((a, b))
-                self._roles.append("")
-                self._parent.append(index)
+                parts = self._stem_parts(a, b) if index == 0 and windows else [(a, b)]
+                out += parts
+                self._roles += self._layer_roles(parts) if len(parts) > 1 else [""]
+                self._parent += [index] * len(parts)
                 continue
             twins = next(group for group in alike.values() if index in group)
             cuts = []
@@ -123,6 +125,34 @@ class _Cuts:
             attention = any(k in ("matmul", "softmax", "fused") for part in kinds for k in part)
             self._roles += _roles(kinds) if attention or len(parts) == 1 else self._module_roles(parts, a, b)
         return out
+
+    def _stem_parts(self, a: int, b: int) -> list[tuple[int, int]]:
+        """A CNN's stem (the layers before the first block, holding a convolution) cut between its layers, where
+        the cut is valid: at full resolution its activations are the model's largest (resnet's conv1, bn1 with its
+        in-place relu, maxpool). A stem without a convolution (a transformer's input unpacking and embeddings)
+        stays whole."""
+        if not any(self._conv(n) for n in self.order[a: b + 1]):
+            return [(a, b)]
+        valid = set(self.valid)
+        cuts = [p for p in range(a, b) if p in valid and self.owner(self.order[p]) != self.owner(self.order[p + 1])]
+        bounds = [a - 1, *cuts, b]
+        return [(bounds[i] + 1, bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+    def _conv(self, n: fx.Node) -> bool:
+        """Is ``n`` a convolution (a conv module, or a conv op of a flattened graph)?"""
+        if n.op == "call_module":
+            return isinstance(self.traced.attrs[n.target], nn.modules.conv._ConvNd)
+        return n.op == "call_function" and _target_name(n).split(".")[0].startswith("conv")
+
+    def _layer_roles(self, parts: list[tuple[int, int]]) -> list[str]:
+        """Roles of the parts of a stem: the layers each holds (``conv1``, ``bn1..relu``) by their last name, or for
+        an op of the model's own forward (``F.relu``), the op's."""
+        roles = []
+        for x, y in parts:
+            layers = list(dict.fromkeys(self.owner(n).rsplit(".", 1)[-1] or _target_name(n).split(".")[0]
+                                        for n in self.order[x: y + 1]))
+            roles.append(layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]}")
+        return _told_apart(roles)
 
     def _windows(self, a: int, b: int) -> list[list[int]]:
         """For each gap between consecutive heavy-op groups of the block ``a..b``: the offsets (from ``a``) of the

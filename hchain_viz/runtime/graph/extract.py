@@ -35,7 +35,9 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
             current value): after the qkv projection (``h.3.attn.qkv``), the attention scores, the probabilities
             (``h.3.attn.probs``), probabilities times values (``h.3.attn.context``), the attention output
             (``h.3.attn.out``), the MLP's up-projection and activation (``h.3.mlp.up``), ``h.3.mlp.down``; a
-            decoder's cross-attention gets the same parts under ``xattn`` (``decoder.layers.3.xattn.probs``);
+            decoder's cross-attention gets the same parts under ``xattn`` (``decoder.layers.3.xattn.probs``); a
+            CNN's residual and dense blocks are cut after their convolutions (``layer3.2.conv2``), and its stem
+            between its layers (``stem.conv1``, ``stem.bn1..relu``);
             ``"finest"``: every cut point; an int ``N``: ``N`` stages balanced by the measured time of their ops.
 
     Returns:
