@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -489,8 +490,7 @@ class _Step:
         if joined and self.m._group_start[i] == i - 1 and self.xbar[i - 1][0] is not None:
             for leaf in self.xbar[i - 1][0]:
                 if leaf is not None and leaf.requires_grad and storage_key(leaf) in keys:
-                    st = storage_of(leaf)
-                    leaf.register_hook(lambda g, st=st: st.resize_(0) and None)
+                    leaf.register_hook(partial(_release, storage_of(leaf)))
 
     def _leaf(self, t: torch.Tensor, i: int, k: int) -> torch.Tensor:
         """A detached alias of input tensor k of stage i, requiring grad when eager autograd would track it."""
@@ -599,6 +599,11 @@ class _LocalTensors:
 
     def buffers(self) -> list[torch.Tensor]:
         return [_local(b) for b in self.module.buffers()]
+
+
+def _release(st: torch.UntypedStorage, grad: torch.Tensor) -> None:
+    """A gradient hook that frees ``st`` (the tensor's own storage), leaving the gradient as it is."""
+    st.resize_(0)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
