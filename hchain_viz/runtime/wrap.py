@@ -481,7 +481,9 @@ class _Step:
         # NOTE [memory model]: the simulator frees them after B(i) when x_i is inside x̄_{i-1} (simulate._Shared).
         if (i - 1 not in self.x and i - 2 not in self.saved) or i - 1 not in self.made:
             return
-        passed = self.made[i - 1] - self.made[i] - self.saved[i - 1] - self.saved.get(i - 2, set())
+        # what B(i-2) saved, from this x_{i-1}'s own Fall(i-2) only (an older one's addresses may be reused)
+        before = self.saved[i - 2] if i - 1 not in self.x else set()
+        passed = self.made[i - 1] - self.made[i] - self.saved[i - 1] - before
         keys = {key for t in inputs if (key := storage_key(t)) in passed and key in self.saved[i]}
         keys -= {storage_key(t) for t in flatten(out)[0]}
         if not keys:
