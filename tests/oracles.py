@@ -81,9 +81,22 @@ def _hold(chain: Chain, groups: tuple, value: tuple, boundary: int, source: tupl
     return tuple(out)
 
 
+_GONE = ("gone",)  # in a group: that copy is freed (chain.consumed_shared), so its n holders save n copies
+
+
 def _release(groups: tuple, value: tuple) -> tuple:
     """``groups`` once ``value`` is freed."""
-    return tuple(frozenset(g - {value} for g in gs if g - {value}) for gs in groups)
+    return tuple(frozenset(g - {value} for g in gs if g - {value} - {_GONE}) for gs in groups)
+
+
+def _consume(chain: Chain, groups: tuple, last: int, holder: tuple) -> tuple:
+    """``groups`` once B(last) has freed the copies ``holder`` holds of the tensors only it needed."""
+    out = []
+    for n, gs in enumerate(groups):
+        if n in chain.consumed_shared and chain.shared[n][1] == last:
+            gs = frozenset(g | {_GONE} if holder in g else g for g in gs)
+        out.append(gs)
+    return tuple(out)
 
 
 def _has(state: State, kind: str, stage: int) -> bool:
@@ -138,7 +151,9 @@ def step(chain: Chain, state: State, op: Op, relaxed: bool = False) -> tuple[Sta
             return None
         if not _input_ok(state, i):
             return None
-        peak = mem + chain.delta_bytes[i] + chain.bwd_tmp[i]
+        peak = mem + chain.delta_bytes[i] - chain.delta_through[i] + chain.bwd_tmp[i]
+        if _has(state, "xbar", i - 1):  # x_i inside x̄_i: the shared tensors only B(i) needs go
+            groups = _consume(chain, groups, i, ("xbar", i - 1))
         res.discard(("delta", i + 1, _size(state, "delta", i + 1)))
         _without(res, state, "xbar", i)
         groups = _release(groups, ("xbar", i))
@@ -338,9 +353,12 @@ def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Tw
     xbar = [up(chain.xbar[i] - common(i, i + 1)) for i in range(L)]  # x̄_{i+1} beside x_i
     ftmp = [up(v) for v in chain.fwd_tmp]  # of a Fall
     ntmp = [up(v) for v in chain.nograd_tmp_bytes]  # of a Fck or Fn
-    btmp = [up(v) for v in chain.bwd_tmp]
+    btmp = [up(v - h) for v, h in zip(chain.bwd_tmp, chain.delta_through)]  # beside the new part of δ_i
     tr = [min(v * S // max_budget, up(chain.x[i])) for i, v in enumerate(chain.transit)]  # freed: rounded down
-    co = [min(v * S // max_budget, up(chain.x[i])) for i, v in enumerate(chain.consumed)]  # freed: rounded down
+    consumed = list(chain.consumed)  # with the shared tensors only B(i) needs, freed then too
+    for n in chain.consumed_shared:
+        consumed[chain.shared[n][1]] += chain.shared[n][2]
+    co = [min(v * S // max_budget, up(chain.x[i])) for i, v in enumerate(consumed)]  # freed: rounded down
     fwd, bwd = chain.fwd_time, chain.bwd_time
     C: dict = {}
     Cch: dict = {}

@@ -332,3 +332,19 @@ def test_timing_note_counts_only_untied_stages_as_noise():
     assert t.untied_spread == 0.0
     assert t.timing_note() == ("2 identical stages in 1 kind share their median time (copies differed by up to "
                                "±20%); other stage times varied ±0% across 5 repeats")
+
+
+def test_handed_gradients_and_consumed_shared_tensors_round_trip_default_and_validate():
+    base = dict(fwd_time=[1, 1, 1], bwd_time=[2, 2, 2], x=[4, 6, 6, 4], xbar=[8, 8, 4], shared=[(1, 2, 3)])
+    plain = Chain(**base)
+    assert plain.delta_through == (0, 0, 0) and plain.consumed_shared == ()
+    assert "delta_through" not in plain.to_dict() and "consumed_shared" not in plain.to_dict()
+    c = Chain(**base, delta_through=[0, 6, 4], consumed_shared=[0])
+    back = Chain.from_json(c.to_json())
+    assert back.delta_through == (0, 6, 4) and back.consumed_shared == (0,)
+    with pytest.raises(InvalidChain, match="delta_through\\[2\\] = 5 is more than δ_2 \\(6 B\\) or δ_3 \\(4 B\\)"):
+        Chain(**base, delta_through=[0, 0, 5])
+    with pytest.raises(InvalidChain, match="consumed_shared index 1 is not one of shared's 1"):
+        Chain(**base, consumed_shared=[1])
+    with pytest.raises(InvalidChain, match="last == first \\+ 1 < L"):
+        Chain(**{**base, "shared": [(0, 2, 3)]}, consumed_shared=[0])  # crosses three cuts, from the input

@@ -320,9 +320,7 @@ def test_gradient_sizes_are_measured():
 def test_sublayer_predictions_bound_measured_peaks(name):
     """Sub-layer chains (views of qkv, the residual stream handed on, the loss's log-softmax, transit and consumed
     bytes, the gradients of broadcast views): every schedule's measured peak within [0.9, 1.0] of its prediction,
-    never above it. On this tiny LLaMA one schedule measures 4 bytes over 2 MiB above its prediction: the joined
-    backward of several stages (one autograd call) allocates in another order than stage by stage; hence 1.0001
-    there. At `bench transformers` sizes none is above."""
+    never above it."""
     from hchain_viz.runtime.graph import extract_stages
     from hchain_viz.runtime.wrap import wrap
 
@@ -349,7 +347,38 @@ def test_sublayer_predictions_bound_measured_peaks(name):
     for s in schedules:
         ratio = measure(wrap(seq, s), x, loss_fn, repeats=1).peak_bytes / hcv.simulate(chain, s).peak_memory
         print(f"{name} {s.meta.get('strategy')}: measured / predicted {ratio:.3f}")
-        assert 0.9 <= ratio <= (1.0001 if name == "llama" else 1.0), (s.meta.get("strategy"), ratio)
+        assert 0.9 <= ratio <= 1.0, (s.meta.get("strategy"), ratio)
+
+
+def test_sublayer_and_module_chains_predict_one_schedule_alike():
+    """One per-layer schedule (and store-all) on LLaMA's module chain and on its sub-layer chain: the same run, so
+    the same prediction, within 1%, and both at or above the measured peak. The sub-layer chain once predicted more
+    (37.0 against 33.0 MiB here at seq 512; 269 against 253 MiB at `bench transformers` sizes), charging twice
+    what a part hands on unchanged: the gradients of v and of the residual stream that B(attn.probs) and
+    B(attn.context) pass through (``delta_through``), and v itself after B(attn.context), which only that backward
+    needs (``consumed_shared``)."""
+    from hchain_viz.runtime.graph import extract_stages
+    from hchain_viz.runtime.wrap import wrap
+
+    pytest.importorskip("transformers")
+    model, x, loss_fn = models.hf_model("llama", batch=2, seq=256, layers=2, hidden=64, heads=4, vocab=128,
+                                        attn_implementation="eager")
+    model.train()
+    predicted = {}
+    for granularity in ("module", "sublayer"):
+        stages = extract_stages(model, x, granularity=None if granularity == "module" else granularity)
+        chain = profile(stages, x, loss_fn, warmup=0, repeats=1, progress=False)
+        seq = nn.Sequential(*[m for _, m in stages])
+        for s in (strategies.per_layer(chain), strategies.store_all(chain)):
+            p = predicted[granularity, s.meta["strategy"]] = hcv.simulate(chain, s).peak_memory
+            got = measure(wrap(seq, s), x, loss_fn, repeats=1).peak_bytes
+            assert 0.97 * p <= got <= p, (granularity, s.meta["strategy"], got, p)
+    for strategy in ("per_layer", "store_all"):
+        sub, module = predicted["sublayer", strategy], predicted["module", strategy]
+        assert abs(sub - module) <= 0.01 * module, (strategy, sub, module)
+    probs = [i for i, n in enumerate(chain.names) if n.endswith("attn.probs")]
+    assert all(chain.delta_through[i] > 0 for i in probs)  # v's and the residual's gradients pass through
+    assert len(chain.consumed_shared) == len(probs)  # v, beside the probabilities, for B(attn.context) only
 
 
 @pytest.mark.cuda

@@ -86,6 +86,19 @@ def transit_int_chains(draw, max_len: int = 5) -> hcv.Chain:
     return hcv.Chain.from_dict(d)
 
 
+@st.composite
+def handed_int_chains(draw, max_len: int = 5) -> hcv.Chain:
+    """:func:`transit_int_chains` with gradients that backwards hand through (``delta_through``: part of both δ_i
+    and δ_{i+1}) and, of the shared tensors that cross two inner cuts, some that only B(last) needs
+    (``consumed_shared``)."""
+    chain = draw(transit_int_chains(max_len=max_len))
+    d, L, delta = chain.to_dict(), chain.length, chain.delta_bytes
+    d["delta_through"] = [draw(st.integers(0, min(delta[i], delta[i + 1]))) for i in range(L)]
+    d["consumed_shared"] = [n for n, (first, last, _) in enumerate(chain.shared)
+                            if 0 < first and last == first + 1 < L and draw(st.booleans())]
+    return hcv.Chain.from_dict(d)
+
+
 def _transit_room(chain: hcv.Chain) -> list[int]:
     return unshared_bytes(chain.x, chain.shared)[1:-1]
 
@@ -156,7 +169,8 @@ def exact(chain: hcv.Chain) -> solver.Solution:
 
 # ---------------------------------------------------------------------------------------------------- the oracle itself
 @settings(max_examples=40, deadline=None)
-@given(st.one_of(small_int_chains(), shared_int_chains(), transit_int_chains()), st.integers(0, 2**32 - 1))
+@given(st.one_of(small_int_chains(), shared_int_chains(), transit_int_chains(), handed_int_chains()),
+       st.integers(0, 2**32 - 1))
 def test_brute_force_step_agrees_with_simulate(chain, seed):
     """Random walks: the oracle accepts an op exactly when simulate does, with the same memory numbers (also with
     shared tensors, which the two track differently: instances there, groups of holders here)."""
@@ -243,6 +257,35 @@ def test_optimum_equals_brute_force_seeded(make, seed):
 def test_optimum_equals_brute_force_with_transit(chain):
     """DESIGN §3 as amended: the part of x_i that no backward needs goes after Fall(i); the DP is still exact."""
     _check_against_brute_force(chain)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(handed_int_chains(max_len=4))
+def test_optimum_equals_brute_force_with_handed_gradients_and_consumed_shared(chain):
+    """A gradient handed through B(i) is charged once (``delta_through``), and a shared tensor only B(last) needs
+    goes after it (``consumed_shared``): the DP (dp_sizes folds both in) is still exact."""
+    _check_against_brute_force(chain)
+
+
+@settings(max_examples=30, deadline=None)
+@given(handed_int_chains(max_len=7), st.integers(5, 60))
+def test_kernel_equals_twin_with_handed_gradients(chain, slots):
+    _check_twin(chain, max(solver.store_all_peak(chain), 1), slots)
+
+
+def test_handed_gradient_and_consumed_shared_tensor_lower_the_peak():
+    """Stage 1 hands a 2-byte tensor (made by stage 0) on to stage 2, whose backward alone needs it; B(1) hands its
+    2-byte gradient through. Store-all's B(1) peaks 2 bytes lower for the gradient, and B(1), after B(2) has freed
+    the tensor, 2 bytes lower again."""
+    d = dict(fwd_time=[1.0] * 4, bwd_time=[1.0] * 4, x=[1, 4, 4, 4, 1], xbar=[4, 4, 4, 3], shared=[(1, 2, 2)],
+             delta=[1, 4, 4, 4, 1])
+    plain = hcv.Chain(**d)
+    lean = hcv.Chain(**d, delta_through=[0, 2, 0, 0], consumed_shared=[0])
+    s = hcv.strategies.store_all(plain)
+    b1 = [next(e for e in hcv.simulate(c, s).events if str(e.op) == "B1") for c in (plain, lean)]
+    assert b1[0].mem_peak - b1[1].mem_peak == 2 + 2
+    assert hcv.Chain.from_json(lean.to_json()) == lean
+    assert exact(lean).makespan(hcv.simulate(lean, s).peak_memory) == lean.store_all_time
 
 
 @pytest.mark.parametrize("seed", range(0, 36, 6))

@@ -10,8 +10,8 @@ encoder-decoders), none with family-specific code in the library. For each, at b
   eager's loss and parameter gradients (eager with ``use_cache=False``, as HF's gradient checkpointing runs it):
   bitwise, or within the bound a family states with its reason;
 - sub-layer granularity: a sweep of three budgets (least, middle, store-all), where every schedule's measured peak
-  (CPU allocator log) is at or below its simulated prediction, or above it by at most what a family states with its
-  reason.
+  (CPU allocator log) is at or below its simulated prediction (parallel attention + MLP blocks swept wider, at
+  twelve budgets: ``test_parallel_blocks_measure_at_or_below_every_prediction``).
 
 docs/models.md lists these families with what is bitwise and what is bounded; keep the two in step.
 """
@@ -55,8 +55,7 @@ class Family:
     blocks: dict[str, tuple[str, ...] | None]  # layer name pattern -> its parts' roles at sub-layer granularity
     bound: float = 0.0  # max |gradient - eager's| allowed, over the model's largest gradient; 0: bitwise
     bounded: tuple[str, ...] = ("module", "sublayer")  # the granularities where ``bound`` applies
-    why: str = ""  # the reason for a bound or an excess
-    over: int = 0  # bytes a measured peak may exceed its prediction by (a known gap of the memory model)
+    why: str = ""  # the reason for a bound
 
 
 FAMILIES: dict[str, Family] = {
@@ -80,13 +79,10 @@ FAMILIES: dict[str, Family] = {
     # decoders, attention and MLP in parallel
     "falcon": Family("FalconConfig", "FalconForCausalLM", dict(vocab_size=V, hidden_size=H,
                                                                num_hidden_layers=LAYERS, num_attention_heads=4),
-                     "lm", {"h.{}": FUSED}, over=H * SEQ * BATCH * 4,
-                     why="B(last mlp.down) of a parallel block measures one activation above the memory model "
-                         "(issue 23, open)"),
+                     "lm", {"h.{}": FUSED}),
     "gptj": Family("GPTJConfig", "GPTJForCausalLM", dict(vocab_size=V, n_embd=H, n_layer=LAYERS, n_head=4,
                                                          rotary_dim=4, n_positions=64), "lm",
-                   {"h.{}": FUSED},  # q and k rotate in halves joined by a cat: those halves cross as one value
-                   over=H * SEQ * BATCH * 4, why="as Falcon: a parallel block (issue 23, open)"),
+                   {"h.{}": FUSED}),  # q and k rotate in halves joined by a cat: those halves cross as one value
     # decoders, mixture of experts
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(GQA, num_local_experts=4, num_experts_per_tok=2),
                       "lm", {"layers.{}": MOE}),
@@ -208,14 +204,20 @@ def train_step_matches(model, inp, chain, family: Family, granularity: str) -> N
             assert err <= family.bound, (name, err, family.why)
 
 
-def budget_sweep(model, inp, chain, family: Family) -> None:
+def budget_sweep(model, inp, chain, n: int = 3) -> list[float]:
+    """``n`` budgets from the least to store-all: every schedule measures at or below its prediction. Returns the
+    measured / predicted ratios."""
     sol = solve(chain)
     lo, hi = sol.min_budget, sol.store_all_peak
-    for budget in (lo, (lo + hi) // 2, hi):
+    ratios = []
+    for k in range(n):
+        budget = lo + (hi - lo) * k // (n - 1)
         schedule = sol.schedule(budget)
         predicted = hcv.simulate(chain, schedule).peak_memory
         got = measure(hcv.wrap(model, schedule), inp, lambda out: out["loss"], repeats=1).peak_bytes
-        assert got <= predicted + family.over, (budget, got, predicted, schedule.n_recomputed, family.why)
+        assert got <= predicted, (budget, got, predicted, schedule.n_recomputed)
+        ratios.append(got / predicted)
+    return ratios
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -230,7 +232,26 @@ def test_zoo(name, granularity):
         check_names(chain, family, granularity)
         train_step_matches(model, inp, chain, family, granularity)
         if granularity == "sublayer":
-            budget_sweep(model, inp, chain, family)
+            budget_sweep(model, inp, chain)
+
+
+def _sublayer_chain(name: str):
+    model, inp = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, inp, hcv.profile(model, inp, lambda out: out["loss"], warmup=0, repeats=1, progress=False,
+                                       granularity="sublayer")
+
+
+@pytest.mark.parametrize("name", ["falcon", "gptj"])
+def test_parallel_blocks_measure_at_or_below_every_prediction(name):
+    """Attention and MLP in parallel: B(mlp.down) hands δ to the residual input, the attention output and its own
+    matmul. The input's AccumulateGrad runs first and copies it while the matmul still holds it; the profiler once
+    fed stages non-leaf inputs, whose gradient was taken after the matmul, and Falcon measured one activation (4092 B)
+    over its prediction at 5 of 12 budgets. Now every budget of a twelve-budget sweep measures at or below."""
+    model, inp, chain = _sublayer_chain(name)
+    ratios = budget_sweep(model, inp, chain, n=12)
+    assert min(ratios) > 0.7, ratios
 
 
 def test_gqa_with_a_padding_mask_is_within_its_bound():

@@ -135,8 +135,15 @@ def at_batch(chain: Chain, batch: int) -> Chain:
         return None if values is None else [-(-v * x[i] // chain.x[i]) if chain.x[i] else v
                                             for i, v in enumerate(values)]
 
+    # The gradient handed through B(i) follows δ_{i+1}'s size (rounded down: it is not charged), within δ_i.
+    def through(values: tuple[int, ...]) -> list[int]:
+        delta = scaled(chain.delta) or x
+        return [min(v * x[i + 1] // chain.x[i + 1] if chain.x[i + 1] else 0, delta[i], delta[i + 1])
+                for i, v in enumerate(values)]
+
     return replace(chain, fwd_time=v["fwd_time"], bwd_time=v["bwd_time"], x=x, xbar=xbar, shared=shared,
                    transit=transit, consumed=consumed, delta=scaled(chain.delta),
+                   delta_through=through(chain.delta_through),
                    nograd_tmp=scaled(chain.nograd_tmp), fwd_tmp=[_whole(s) for s in v["fwd_tmp"]],
                    bwd_tmp=[_whole(s) for s in v["bwd_tmp"]],
                    batch_fit=replace(chain.batch_fit, batch=b))

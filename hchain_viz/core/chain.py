@@ -110,6 +110,15 @@ class Chain:
       the output inside x̄_i (left by ``Fall(i-1)``), they are freed once ``B(i)`` has run, as eager autograd frees
       them in a backward that runs through both stages (a plain checkpoint x_i goes whole at B(i) anyway). Disjoint
       from ``transit[i]``; together at most the bytes of x[i] that no shared tensor holds. Default: zeros.
+    - ``consumed_shared``: indices into ``shared`` of tensors that only B(last) needs, each crossing two cuts
+      ``(first, first + 1)``: made by stage first-1, handed on by stage ``first`` without being saved by either,
+      saved by stage ``last`` and not handed on (v beside the attention probabilities, on its way to their product).
+      When x_last is the output inside x̄_{last-1}, the tensor is freed once ``B(last)`` has run, as the consumed
+      part of x_last is. Default: none.
+    - ``delta_through[i]`` (length L): bytes of δ_{i+1} that B(i) hands on unchanged as part of δ_i — the gradient of
+      a tensor stage i passes on and does not use (v beside the attention probabilities, the residual stream beside
+      an attention part): the same tensor, so B(i) adds only ``delta[i] - delta_through[i]`` new bytes beside
+      δ_{i+1} (DESIGN §8: memory counts a tensor once). At most the smaller of δ_i and δ_{i+1}. Default: zeros.
     """
 
     fwd_time: tuple[float, ...]
@@ -127,6 +136,8 @@ class Chain:
     transit: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
     consumed: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
     delta: tuple[int, ...] | None = None  # None: as x (see delta_bytes)
+    delta_through: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
+    consumed_shared: tuple[int, ...] = ()
     nograd_tmp: tuple[int, ...] | None = None  # None: as fwd_tmp (see nograd_tmp_bytes)
     fixed: FixedMemory | None = None
     batch_fit: BatchFit | None = None
@@ -172,6 +183,8 @@ class Chain:
             set_(self, "delta", _ints(self.delta, "delta", L + 1))
         if self.nograd_tmp is not None:
             set_(self, "nograd_tmp", _ints(self.nograd_tmp, "nograd_tmp", L))
+        set_(self, "delta_through", _delta_through(self.delta_through, self.delta_bytes, names))
+        set_(self, "consumed_shared", _consumed_shared(self.consumed_shared, self.shared, L))
         if self.fixed is not None:
             if not isinstance(self.fixed, FixedMemory):
                 raise InvalidChain(f"fixed must be a FixedMemory (or None), got {type(self.fixed).__name__}")
@@ -320,6 +333,10 @@ class Chain:
             d["delta"] = list(self.delta)
         if self.nograd_tmp is not None:
             d["nograd_tmp"] = list(self.nograd_tmp)
+        if any(self.delta_through):
+            d["delta_through"] = list(self.delta_through)
+        if self.consumed_shared:
+            d["consumed_shared"] = list(self.consumed_shared)
         if self.meta:
             d["meta"] = self.meta
         if self.fixed is not None:
@@ -350,6 +367,7 @@ class Chain:
             bandwidth=d.get("bandwidth"),
             groups=d.get("groups", ()), tags=d.get("tags"), shared=d.get("shared", ()), transit=d.get("transit"),
             consumed=d.get("consumed"), delta=d.get("delta"), nograd_tmp=d.get("nograd_tmp"),
+            delta_through=d.get("delta_through"), consumed_shared=d.get("consumed_shared", ()),
             tied=d.get("tied", ()), copy_spread=d.get("copy_spread", ()),
         )
 
@@ -654,6 +672,38 @@ def _check_numbers(vals: Sequence[Any], name: str, expected: int) -> list[float]
 
 def _floats(vals: Sequence[Any], name: str, expected: int) -> tuple[float, ...]:
     return tuple(_check_numbers(vals, name, expected))
+
+
+def _consumed_shared(indices: Any, shared: tuple[tuple[int, int, int], ...], L: int) -> tuple[int, ...]:
+    """Validate ``consumed_shared``: distinct indices into ``shared`` of tensors that cross two cuts, inside the
+    chain."""
+    if isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__"):
+        raise InvalidChain(f"consumed_shared must be a list of indices into shared, got {indices!r}")
+    out = tuple(sorted({int(n) for n in indices}))
+    if len(out) != len(list(indices)):
+        raise InvalidChain(f"consumed_shared lists an index twice: {list(indices)!r}")
+    for n in out:
+        if not 0 <= n < len(shared):
+            raise InvalidChain(f"consumed_shared index {n} is not one of shared's {len(shared)} tensors")
+        first, last, _ = shared[n]
+        if not (0 < first and last == first + 1 and last < L):
+            raise InvalidChain(f"consumed_shared lists shared[{n}] = {shared[n]!r}, but only a tensor made by a "
+                               f"stage and handed on by the next one, to a stage before the loss (first > 0, "
+                               f"last == first + 1 < L) can be consumed by B(last)")
+    return out
+
+
+def _delta_through(through: Any, delta: tuple[int, ...], names: tuple[str, ...]) -> tuple[int, ...]:
+    """Validate ``delta_through``: per stage i, a part of both δ_i and δ_{i+1}."""
+    L = len(names)
+    if through is None:
+        return (0,) * L
+    out = _ints(through, "delta_through", L)
+    for i, v in enumerate(out):
+        if v > min(delta[i], delta[i + 1]):
+            raise InvalidChain(f"delta_through[{i}] = {v} is more than δ_{i} ({delta[i]} B) or δ_{i + 1} "
+                               f"({delta[i + 1]} B), of which it is a part (stage {names[i]!r})")
+    return out
 
 
 def _ints(vals: Sequence[Any], name: str, expected: int) -> tuple[int, ...]:

@@ -13,6 +13,8 @@ Resident items (``Item.kind``):
   first forward of stage L-1 is a ``Fall``, the output lives inside x̄_L, so that ``xbar`` item carries only
   ``xbar[L-1] - x[L]`` bytes beside it; a recomputed ``Fall(L-1)`` holds a full second copy.
 - ``"delta"``: a gradient δ_i (``chain.delta_bytes[i]`` bytes, ``x[i]`` unless profiled); δ_L is created by the loss.
+  B(i) peaks at δ_i's bytes less ``chain.delta_through[i]`` (the tensors of δ_{i+1} it hands on unchanged, which
+  become part of δ_i as δ_{i+1} goes) plus its transient.
 - ``"transit"``: the part of x_i that no backward needs (``chain.transit[i]`` bytes: made by stage i-1, saved by
   neither B(i-1) nor B(i), not handed on). It comes with the value that holds x_i (a plain ``x``, or the ``xbar`` of
   stage i-1, which carry it less) and goes after ``Fall(i)``, the last forward of stage i before B(i) (no forward of i
@@ -326,8 +328,11 @@ def _replay(chain: Chain, schedule: Schedule, record: bool) -> Any:
                 gone.append(("x", i))
             elif ("consumed", i) in res:  # of the x_i inside x̄_i, the part B(i) needed and B(i-1) does not
                 gone.append(("consumed", i))
+            if not transfers and ("xbar", i - 1) in res:  # and the shared tensors only B(i) needed
+                gone += tensors.consume(i, ("xbar", i - 1))
             new = [(("delta", i), chain.delta_bytes[i])]
-            tmp, dt = chain.bwd_tmp[i], chain.bwd_time[i]
+            # of δ_i, the part handed through from δ_{i+1} is no new memory (chain.delta_through)
+            tmp, dt = chain.bwd_tmp[i] - chain.delta_through[i], chain.bwd_time[i]
             backward_done.add(i)
             kept.discard(i)
         else:  # forward ops
@@ -427,6 +432,9 @@ class _Shared:
 
     def __init__(self, chain: Chain) -> None:
         self.shared = chain.shared
+        self.consumed: dict[int, list[int]] = {}  # last -> the consumed_shared tensors ending there
+        for n in chain.consumed_shared:
+            self.consumed.setdefault(chain.shared[n][1], []).append(n)
         self.count = 0
         self.holds: dict[tuple, dict[int, tuple]] = {}  # value key -> {tensor index: instance key}
         self.holders: dict[tuple, int] = {}  # instance key -> number of values holding it
@@ -451,6 +459,21 @@ class _Shared:
             self.holders[inst] = self.holders.get(inst, 0) + 1
         self.holds[key] = held
         return [(key, size)] + new
+
+    def consume(self, last: int, holder: tuple) -> list[tuple]:
+        """After B(last), with x_last inside ``holder``: the instances it holds of the tensors only B(last) needed
+        (``chain.consumed_shared``), gone from every value that holds them."""
+        out = []
+        for n in self.consumed.get(last, ()):
+            inst = self.holds.get(holder, {}).get(n)
+            if inst is None:
+                continue
+            for held in self.holds.values():
+                if held.get(n) == inst:
+                    del held[n]
+            del self.holders[inst]
+            out.append(inst)
+        return out
 
     def release(self, key: tuple) -> list[tuple]:
         """Forget value ``key``; the instances no other value holds any more."""

@@ -795,9 +795,13 @@ def dp_sizes(chain: Chain) -> dict[str, np.ndarray]:
       it was computed, is resident; the two then hold the same instance of those tensors (the simulator's rule).
     - ``xbar[i]``: x̄_{i+1} less the shared tensors it has in common with x_i. Exact: x_i stays resident from
       Fall(i) to B(i) (B(i) needs it; nothing frees it before: Fn(i) cannot run while x_{i+1} is resident).
-    - ``fwd_tmp`` (of a Fall), ``nograd_tmp`` (of a Fck or Fn: ``chain.nograd_tmp_bytes``), ``bwd_tmp``.
+    - ``fwd_tmp`` (of a Fall), ``nograd_tmp`` (of a Fck or Fn: ``chain.nograd_tmp_bytes``), ``bwd_tmp``: B(i)'s
+      transient less ``chain.delta_through[i]``, the part of δ_i that is δ_{i+1}'s (charged once, as the simulator
+      does); negative when B(i) hands on more than it needs beside. The kernels only ever add it to δ_i.
     - ``tr`` (L+1 entries): ``chain.transit``, the part of x_i that Fall(i) frees (never shared: not handed on).
-    - ``co`` (L+1 entries): ``chain.consumed``, the part of x_i that B(i) frees when x_i is inside x̄_i.
+    - ``co`` (L+1 entries): ``chain.consumed``, the part of x_i that B(i) frees when x_i is inside x̄_i, and the
+      shared tensors ``chain.consumed_shared`` that it frees then too (x_i inside x̄_{i-1} is all the simulator asks:
+      they cross only the cut before).
 
     With ``chain.shared == ()`` these are the chain's own sizes (``xs[i, j] == x[j]``).
     """
@@ -811,8 +815,19 @@ def dp_sizes(chain: Chain) -> dict[str, np.ndarray]:
     return {"x": np.append(np.asarray(chain.delta_bytes, dtype=np.int64), 0), "x0": x[:1], "xs": xs, "xbar": xbar,
             "fwd_tmp": np.asarray(chain.fwd_tmp, dtype=np.int64),
             "nograd_tmp": np.asarray(chain.nograd_tmp_bytes, dtype=np.int64),
-            "bwd_tmp": np.asarray(chain.bwd_tmp, dtype=np.int64), "tr": np.asarray(chain.transit, dtype=np.int64),
-            "co": np.asarray(chain.consumed, dtype=np.int64)}
+            "bwd_tmp": np.asarray(chain.bwd_tmp, dtype=np.int64) - np.asarray(chain.delta_through, dtype=np.int64),
+            "tr": np.asarray(chain.transit, dtype=np.int64),
+            "co": _consumed_bytes(chain)}
+
+
+def _consumed_bytes(chain: Chain) -> np.ndarray:
+    """Per boundary i, what B(i) frees of an x_i inside x̄_{i-1}: ``chain.consumed[i]`` and the shared tensors of
+    ``chain.consumed_shared`` that end there."""
+    co = np.asarray(chain.consumed, dtype=np.int64).copy()
+    for n in chain.consumed_shared:
+        _, last, nbytes = chain.shared[n]
+        co[last] += nbytes
+    return co
 
 
 def _slot_sizes(chain: Chain, max_budget: int, slots: int) -> dict[str, np.ndarray]:

@@ -12,7 +12,8 @@ own, in order, on the real output of the stage before (only one stage's autograd
   ``torch.autograd.graph.saved_tensors_hooks``: each storage once, only storages the forward created (parameters,
   buffers, the stage input and constants are resident anyway).
 - ``delta[i]``: bytes of the gradient δ_i the backward of stage i leaves (``delta[L]``: the loss's gradient of
-  the output).
+  the output); ``delta_through[i]``: how much of it is δ_{i+1} handed on unchanged (the gradient of a tensor the
+  stage passes on and does not use, which the input takes as it is), no new memory.
 - ``transit[i]``: bytes of x_i that no backward needs — storages stage i-1 made and neither its saved tensors nor
   stage i's hold, and that stage i does not hand on (the pre-softmax scores; q and k that an attention product copies
   before saving): the executor frees them once Fall(i) has run (``memtrack.transit_storages``).
@@ -150,8 +151,10 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
     ntmp = [0] * L
     fwd_spread, bwd_spread = [0.0] * L, [0.0] * L
-    transit, consumed, delta = [0] * (L + 1), [0] * (L + 1), [0] * (L + 1)
+    transit, consumed, delta, handed = [0] * (L + 1), [0] * (L + 1), [0] * (L + 1), [0] * L
     candidates: list[bool] = [False] * len(tensors(sample_input))  # x_0 is the caller's: never transit
+    through = list(candidates)  # per input tensor: made two stages back, handed on, saved by neither backward
+    eaten: set[int] = set()  # ids (see identity) of the tensors only one later backward needs (consumed_shared)
     counts: list[tuple[int, int, int, int]] = []  # per stage, for estimate_for: fwd/bwd FLOPs and bytes
     bar = progress_bar(L, "profiling", "stage", enabled=progress)  # in a notebook, text once done
     # identity[i][j]: which tensor the j-th tensor of boundary value x[i] is (a stage may hand on its input's)
@@ -163,11 +166,12 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         for i, ((name, module), stage) in enumerate(zip(stages, runners)):
             bar.set_postfix_str(name, refresh=False)
             signatures.append(_signature(module, h, getattr(module, "tag", "") or ""))
-            r = _StageProfile(name, stage, module, h, dev, loss_fn if i == L - 1 else None, candidates)
+            r = _StageProfile(name, stage, module, h, dev, loss_fn if i == L - 1 else None, candidates, through)
             r.run(warmup, repeats)
             transit[i], consumed[i] = (r.transit_in, r.consumed_in) if i > 0 else (0, 0)
-            delta[i], ntmp[i] = r.delta_in, r.nograd_tmp
-            candidates = r.candidates_out
+            delta[i], ntmp[i], handed[i] = r.delta_in, r.nograd_tmp, r.delta_through
+            candidates, through = r.candidates_out, r.through_out
+            eaten |= {identity[i][k] for k in r.consumed_through}
             fwd[i], bwd[i], xs[i + 1], xbar[i], ftmp[i], btmp[i] = (r.fwd_time, r.bwd_time, r.out_bytes, r.xbar,
                                                                    r.fwd_tmp, r.bwd_tmp)
             if r.loss_bytes:  # x[L] is all the caller holds: the output and the loss (x̄_L contains x_L)
@@ -228,10 +232,17 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     if optimizer is not None:
         fixed = fixed_memory(params, [m for _, m in stages], [b for m in modules for b in m.buffers()], optimizer,
                              dev, world_size)
+    shared, shared_ids = _shared(identity, sizes)
+    delta[L] = nbytes(r.grads)
+    # what B(i) handed through is part of both gradients as charged (δ_L, the loss's, is charged by its storage: an
+    # expanded one for a sum, which the profiler's dense copy outgrows)
+    handed = [min(v, delta[i], delta[i + 1]) for i, v in enumerate(handed)]
     chain = Chain(fwd_time=fwd, bwd_time=bwd, x=xs, xbar=xbar, fwd_tmp=ftmp, bwd_tmp=btmp,
                   names=[n for n, _ in stages], meta=meta, fixed=fixed, groups=_groups(stages),
-                  tags=[getattr(m, "tag", "") or "" for _, m in stages], shared=_shared(identity, sizes),
-                  transit=transit, consumed=consumed, delta=[*delta[:L], nbytes(r.grads)], nograd_tmp=ntmp,
+                  tags=[getattr(m, "tag", "") or "" for _, m in stages], shared=shared,
+                  consumed_shared=[n for n, j in enumerate(shared_ids) if j in eaten],
+                  transit=transit, consumed=consumed, delta=delta, nograd_tmp=ntmp,
+                  delta_through=handed,
                   tied=tied, copy_spread=copy_spread)
     _warn_if_noisy(chain)
     return chain
@@ -284,26 +295,42 @@ def _identical(signatures: list[Any], xs: list[int], xbar: list[int]) -> list[tu
 class _StageProfile:
     """Times and sizes of one stage, given its input ``h`` (tensors detached from any graph); ``stage`` runs
     ``module`` (itself, or compiled); ``candidates_in[k]``: input tensor k was made by the stage before and is not
-    saved for its backward (a transit candidate)."""
+    saved for its backward (a transit candidate); ``through_in[k]``: it was made by the stage before that, and
+    neither stage saves it (the stage before handed it on)."""
 
     def __init__(self, name: str, stage: Callable[[Any], Any], module: nn.Module, h: Any, dev: torch.device,
-                 loss_fn: LossFn | None, candidates_in: list[bool]):
+                 loss_fn: LossFn | None, candidates_in: list[bool], through_in: list[bool]):
         self.name, self.stage, self.module, self.h, self.dev, self.loss_fn = name, stage, module, h, dev, loss_fn
-        self.candidates_in = candidates_in
+        self.candidates_in, self.through_in = candidates_in, through_in
         self.in_bytes = nbytes(h)
+        self.writes_input: bool | None = None  # learned by the probe, as the executor learns it (wrap._mutates)
 
     def _input(self) -> Any:
         """A copy of the input, as a stage inside the chain receives it: laid out as in the chain (views of one
         storage stay views of one copy, with their strides: a contiguous clone of each would hide the copies that
-        ops make of strided views, and what they save of them), and a non-leaf when it requires grad, so in-place
-        first ops are legal and the input gradient flows back to ``self.h``."""
+        ops make of strided views, and what they save of them), and, where it requires grad, a leaf as the
+        executor's (``wrap._Step._leaf``), or, for a stage that writes into its input (or not probed yet), a
+        non-leaf whose gradient flows back to ``self.h``, so in-place first ops are legal.
+
+        A leaf matters for memory: autograd runs a leaf's AccumulateGrad as soon as its gradient is ready, before any
+        other node, so a gradient the stage hands to an input and to its own ops (a parallel block's residual add)
+        is copied there while those ops still hold it. Behind a node of ours, the ops ran first and the input stole
+        the gradient: the backward measured one activation lower than the executor's (issue 23)."""
         copies: dict[int, tuple] = {}
+        leaves = self.writes_input is False
 
         def one(t: torch.Tensor) -> torch.Tensor:
             new = copy_with_layout(t, copies)
-            return _GradInto.apply(t, new) if t.requires_grad else new
+            if not t.requires_grad:
+                return new
+            return new.requires_grad_() if leaves else _GradInto.apply(t, new)
 
         return map_tensors(self.h, one)
+
+    def _input_grads(self, inp: Any) -> list[torch.Tensor]:
+        """The input gradient the last backward on ``inp`` (from :meth:`_input`) left: on its leaves, or on
+        ``self.h``."""
+        return [t.grad for t in [*tensors(inp), *tensors(self.h)] if t.is_leaf and t.grad is not None]
 
     def _forward(self, inp: Any) -> Any:
         with user_code(lambda e: f"stage {self.name!r} failed on its input {_shapes(inp)}: {type(e).__name__}: {e}"):
@@ -362,7 +389,9 @@ class _StageProfile:
     def _probe(self) -> None:
         """One forward: the output (next stage's input), its size, and the gradient the backward will get."""
         inp = self._input()
+        versions = [t._version for t in tensors(inp)]
         out = self._forward(inp)
+        self.writes_input = any(t._version != v for t, v in zip(tensors(inp), versions))
         self.out_bytes = nbytes(out)
         # output tensor k is input tensor j, handed on unchanged (the residual stream, a mask): {k: j}
         ins = {(t.untyped_storage().data_ptr(), t.data_ptr(), t.shape): j for j, t in enumerate(tensors(inp))}
@@ -424,7 +453,15 @@ class _StageProfile:
             # Which output tensors the next stage's transit may hold: made here, not saved for this backward.
             made = made_storages(ins, outs, self.module) - saved_ptrs
             self.candidates_out = [(st := storage_of(t)) is not None and st.data_ptr() in made for t in outs]
-            del ins, outs, unneeded, only_here, out_storages
+            # A tensor made two stages back that only this backward needs (chain.consumed_shared: v handed on beside
+            # the attention probabilities); and those this stage hands on to the next one unsaved.
+            eaten = consumed_storages(ins, self.through_in, saved_ptrs, outs)
+            self.consumed_through = [k for k, t in enumerate(ins)
+                                     if (st := storage_of(t)) is not None and st.data_ptr() in eaten]
+            self.through_out = [j is not None and self.candidates_in[j] and (st := storage_of(ins[j])) is not None
+                                and st.data_ptr() not in saved_ptrs
+                                for j in (self.passed_on.get(k) for k in range(len(outs)))]
+            del ins, outs, unneeded, only_here, out_storages, eaten
             if cuda_log is not None:
                 cuda_log.mark()
             meter.mark()  # span 0: the recording forward; span 1: δ_{i+1}; span 2: the backward
@@ -432,16 +469,26 @@ class _StageProfile:
             # copy made inside the meter, so its early free is seen). The outputs stay referenced to the end: freeing
             # them early too made the predictions of `bench transformers` fall up to 5% below measured peaks.
             pairs = [(t, g.clone()) for t, g in zip(*self._graded(out))]
+            handed = {g.untyped_storage().data_ptr() for _, g in pairs}
             outs = tensors(out)
+            if cuda_log is not None:
+                cuda_log.mark()
             meter.mark()
             backward_handing_over(pairs)
             del out, outs
         # δ_i as the backward left it: a gradient per input tensor that needs one (none for ids and masks; the
         # gradient of a broadcast view or of views of one storage is larger than the storage).
-        self.delta_in = nbytes([t.grad for t in tensors(self.h) if t.grad is not None])
+        grads = self._input_grads(inp)
+        self.delta_in = nbytes(grads)
+        log = cuda_log if cuda_log is not None else meter.log
+        # Of δ_i, what is δ_{i+1} handed on unchanged (the gradient of a tensor passed through, which the input's
+        # AccumulateGrad took as it was): δ_{i+1}'s storages, not memory the backward allocated at their address.
+        fresh = log.created_addresses(2)
+        self.delta_through = nbytes([g for g in grads if (p := g.untyped_storage().data_ptr()) in handed
+                                     and p not in fresh])
+        del grads
         self._clear_input_grads()
         del inp
-        log = cuda_log if cuda_log is not None else meter.log
         created = log.created_addresses(0)
         fwd, _, bwd = meter.spans
         # What the forward left is at least what the allocator still holds of it: autograd also keeps what no hook
@@ -461,10 +508,10 @@ class _StageProfile:
         passed = self.passed_bytes
         self.fwd_tmp = max(0, fwd_peak - (self.xbar - passed))
         self.nograd_tmp = max(0, nograd_peak - (self.out_bytes - passed))
-        # Beyond the δ_i it leaves (the simulator charges delta[i] beside it: not x_i's bytes, which differ for ids,
-        # masks and broadcast views). The last stage's backward runs right after the loss's: its transient covers
-        # the loss's (see _probe).
-        self.bwd_tmp = max(0, bwd_peak - self.delta_in, self.loss_tmp) + BACKWARD_SLACK
+        # Beyond the new part of the δ_i it leaves (the simulator charges delta[i] - delta_through[i] beside
+        # δ_{i+1}: not x_i's bytes, which differ for ids, masks and broadcast views). The last stage's backward runs
+        # right after the loss's: its transient covers the loss's (see _probe).
+        self.bwd_tmp = max(0, bwd_peak - (self.delta_in - self.delta_through), self.loss_tmp) + BACKWARD_SLACK
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -494,13 +541,14 @@ def _groups(stages: list[tuple[str, nn.Module]]) -> list[tuple[str, int, int]]:
     return out
 
 
-def _shared(identity: list[list[int]], sizes: dict[int, int]) -> list[tuple[int, int, int]]:
-    """``(first, last, bytes)`` for every tensor found in more than one consecutive boundary value."""
+def _shared(identity: list[list[int]], sizes: dict[int, int]) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """``(first, last, bytes)`` for every tensor found in more than one consecutive boundary value, and its id."""
     seen: dict[int, list[int]] = {}
     for i, ids in enumerate(identity):
         for j in dict.fromkeys(ids):
             seen.setdefault(j, []).append(i)
-    return [(at[0], at[-1], sizes[j]) for j, at in seen.items() if len(at) > 1 and sizes[j] > 0]
+    found = [(j, at) for j, at in seen.items() if len(at) > 1 and sizes[j] > 0]
+    return [(at[0], at[-1], sizes[j]) for j, at in found], [j for j, _ in found]
 
 
 def _leaves(obj: Any) -> Any:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -260,6 +261,9 @@ class _Step:
         # For freeing consumed bytes (chain.consumed): per boundary i whose x_i is the output inside x̄_i, the data
         # pointers of the storages of x_i that only B(i) needs.
         self.consumed: dict[int, set[int]] = {}
+        # Per boundary i whose x_i is the output inside x̄_i: the data pointers of the tensors made two stages back
+        # and handed on that only B(i) needs (chain.consumed_shared).
+        self.eaten: dict[int, set[int]] = {}
         self.devices = cuda_devices(x0)
         self.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
         self.autocast_cache = torch.is_autocast_cache_enabled()
@@ -406,8 +410,11 @@ class _Step:
         # checkpoint, so their memory is released in place (no backward and no later forward reads them: a forward
         # of stage i cannot run again before B(i)). The tensors stay, for their shapes (δ_i matches them).
         self.consumed.pop(i, None)  # only this Fall's input counts (an earlier one's was recomputed)
+        self.eaten.pop(i, None)
         if self.link is not None or i == 0 or i not in self.made:
             return
+        if in_xbar:
+            self._note_eaten(i, inputs, out, joined)
         before = self.saved.get(i - 1, set()) if in_xbar else set()  # what B(i-1) needs of x_i
         candidates = [(key := storage_key(t)) in self.made[i] and key not in before for t in inputs]
         outs = flatten(out)[0]
@@ -452,12 +459,40 @@ class _Step:
         """After B(i): release the storages of x_i that only B(i) needed (noted at its Fall, see _free_transit), in
         the output inside x̄_i, which stays for B(i-1); the tensors stay, for their shapes."""
         keys = self.consumed.pop(i, None)
+        if keys:
+            for t in flatten(self.xbar[i - 1][1])[0]:
+                st = storage_of(t)
+                if st is not None and st.data_ptr() in keys:
+                    st.resize_(0)
+        keys = self.eaten.pop(i, None)
+        if keys:  # wherever they are held (x̄_{i-1}'s output, x̄_{i-2}'s, a checkpoint x_{i-1}): all made before
+            held = [*self.x.values(), *(v[1] for v in self.xbar.values() if v is not _SPENT)]
+            for t in flatten(held)[0]:
+                st = storage_of(t)
+                if st is not None and st.data_ptr() in keys:
+                    st.resize_(0)
+
+    def _note_eaten(self, i: int, inputs: list[torch.Tensor], out: Any, joined: bool) -> None:
+        """At Fall(i), x_i inside x̄_i: note the input tensors that stage i-2 made, stages i-2 and i-1 did not save
+        (x_{i-1} inside x̄_{i-1}: Fall(i-2) ran in this step; a plain checkpoint x_{i-1} has no graph), stage i-1
+        handed on, and stage i saves and does not hand on (chain.consumed_shared, DESIGN §8): B(i) frees them. When
+        stage i-1 heads the joined graph of B(i), they are its input leaves, which x̄_{i-2} or a checkpoint also
+        holds: freed as soon as autograd is done with them (their gradient is ready), as the model charges."""
+        # NOTE [memory model]: the simulator frees them after B(i) when x_i is inside x̄_{i-1} (simulate._Shared).
+        if (i - 1 not in self.x and i - 2 not in self.saved) or i - 1 not in self.made:
+            return
+        # what B(i-2) saved, from this x_{i-1}'s own Fall(i-2) only (an older one's addresses may be reused)
+        before = self.saved[i - 2] if i - 1 not in self.x else set()
+        passed = self.made[i - 1] - self.made[i] - self.saved[i - 1] - before
+        keys = {key for t in inputs if (key := storage_key(t)) in passed and key in self.saved[i]}
+        keys -= {storage_key(t) for t in flatten(out)[0]}
         if not keys:
             return
-        for t in flatten(self.xbar[i - 1][1])[0]:
-            st = storage_of(t)
-            if st is not None and st.data_ptr() in keys:
-                st.resize_(0)
+        self.eaten[i] = keys
+        if joined and self.m._group_start[i] == i - 1 and self.xbar[i - 1][0] is not None:
+            for leaf in self.xbar[i - 1][0]:
+                if leaf is not None and leaf.requires_grad and storage_key(leaf) in keys:
+                    leaf.register_hook(partial(_release, storage_of(leaf)))
 
     def _leaf(self, t: torch.Tensor, i: int, k: int) -> torch.Tensor:
         """A detached alias of input tensor k of stage i, requiring grad when eager autograd would track it."""
@@ -566,6 +601,11 @@ class _LocalTensors:
 
     def buffers(self) -> list[torch.Tensor]:
         return [_local(b) for b in self.module.buffers()]
+
+
+def _release(st: torch.UntypedStorage, grad: torch.Tensor) -> None:
+    """A gradient hook that frees ``st`` (the tensor's own storage), leaving the gradient as it is."""
+    st.resize_(0)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
