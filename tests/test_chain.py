@@ -342,6 +342,7 @@ def test_handed_gradients_and_consumed_shared_tensors_round_trip_default_and_val
     c = Chain(**base, delta_through=[0, 6, 4], consumed_shared=[0])
     back = Chain.from_json(c.to_json())
     assert back.delta_through == (0, 6, 4) and back.consumed_shared == (0,)
+    assert Chain(**base, consumed_shared=iter([0])).consumed_shared == (0,)  # any iterable, read once
     with pytest.raises(InvalidChain, match="delta_through\\[2\\] = 5 is more than δ_2 \\(6 B\\) or δ_3 \\(4 B\\)"):
         Chain(**base, delta_through=[0, 0, 5])
     with pytest.raises(InvalidChain, match="consumed_shared index 1 is not one of shared's 1"):

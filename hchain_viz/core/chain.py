@@ -679,9 +679,10 @@ def _consumed_shared(indices: Any, shared: tuple[tuple[int, int, int], ...], L: 
     chain."""
     if isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__"):
         raise InvalidChain(f"consumed_shared must be a list of indices into shared, got {indices!r}")
-    out = tuple(sorted({int(n) for n in indices}))
-    if len(out) != len(list(indices)):
-        raise InvalidChain(f"consumed_shared lists an index twice: {list(indices)!r}")
+    given = list(indices)  # once: an iterator would be empty the second time
+    out = tuple(sorted({int(n) for n in given}))
+    if len(out) != len(given):
+        raise InvalidChain(f"consumed_shared lists an index twice: {given!r}")
     for n in out:
         if not 0 <= n < len(shared):
             raise InvalidChain(f"consumed_shared index {n} is not one of shared's {len(shared)} tensors")
