@@ -460,17 +460,10 @@ class _Step:
         the output inside x̄_i, which stays for B(i-1); the tensors stay, for their shapes."""
         keys = self.consumed.pop(i, None)
         if keys:
-            for t in flatten(self.xbar[i - 1][1])[0]:
-                st = storage_of(t)
-                if st is not None and st.data_ptr() in keys:
-                    st.resize_(0)
+            _free_storages(self.xbar[i - 1][1], keys)
         keys = self.eaten.pop(i, None)
         if keys:  # wherever they are held (x̄_{i-1}'s output, x̄_{i-2}'s, a checkpoint x_{i-1}): all made before
-            held = [*self.x.values(), *(v[1] for v in self.xbar.values() if v is not _SPENT)]
-            for t in flatten(held)[0]:
-                st = storage_of(t)
-                if st is not None and st.data_ptr() in keys:
-                    st.resize_(0)
+            _free_storages([*self.x.values(), *(v[1] for v in self.xbar.values() if v is not _SPENT)], keys)
 
     def _note_eaten(self, i: int, inputs: list[torch.Tensor], out: Any, joined: bool) -> None:
         """At Fall(i), x_i inside x̄_i: note the input tensors that stage i-2 made, stages i-2 and i-1 did not save
@@ -601,6 +594,15 @@ class _LocalTensors:
 
     def buffers(self) -> list[torch.Tensor]:
         return [_local(b) for b in self.module.buffers()]
+
+
+def _free_storages(values: Any, keys: set[int]) -> None:
+    """Release in place the storages, among the tensors of ``values``, whose data pointers are in ``keys``; the
+    tensors stay, for their shapes."""
+    for t in flatten(values)[0]:
+        st = storage_of(t)
+        if st is not None and st.data_ptr() in keys:
+            st.resize_(0)
 
 
 def _release(st: torch.UntypedStorage, grad: torch.Tensor) -> None:
