@@ -178,8 +178,13 @@ def compiled_peak(chain: Chain, schedule: Schedule, grads: list[int]) -> int:
     its ``B`` to the end of the step."""
     from ..core.simulate import simulate
 
+    return _held_peak(simulate(chain, compiled_schedule(schedule)), grads)
+
+
+def _held_peak(trace: Any, grads: list[int]) -> int:
+    """The peak of a trace (of a compiled form) with each stage's parameter gradients held from its ``B`` on."""
     held = peak = 0
-    for e in simulate(chain, compiled_schedule(schedule)).events:
+    for e in trace.events:
         peak = max(peak, e.mem_peak + held)
         if e.op.kind == "B":
             held += grads[e.op.stage]
@@ -206,10 +211,9 @@ def for_compile(solution: Any, budget: int, grads: list[int]) -> Schedule:
         if s.ops in seen:
             continue
         seen.add(s.ops)
-        if compiled_peak(chain, s, grads) <= budget:
-            t = simulate(chain, s).makespan
-            if best is None or t < best[0]:
-                best = (t, s)
+        trace = simulate(chain, s)  # s is its own compiled form: one replay gives both the peak and the time
+        if _held_peak(trace, grads) <= budget and (best is None or trace.makespan < best[0]):
+            best = (trace.makespan, s)
     if best is None:
         raise InvalidSchedule(f"no schedule of this chain fits {budget} bytes when compiled whole (the parameter "
                               f"gradients alone are {sum(grads)} bytes until the backward ends); raise the budget or "
