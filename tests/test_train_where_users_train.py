@@ -51,13 +51,15 @@ def _batch() -> dict[str, torch.Tensor]:
     return {k: torch.stack([data[i][k] for i in range(BATCH)]) for k in data[0]}
 
 
-def _schedule_for(model: nn.Module, batch: dict) -> hcv.Schedule:
-    """A schedule that recomputes (half-way between the least budget and store-all)."""
-    chain = hcv.profile(model, batch, warmup=0, repeats=1, progress=False)
+def _apply_schedule(model: nn.Module) -> nn.Module:
+    """Apply to ``model``, in place, a schedule profiled on ``_batch()`` that recomputes (half-way between the least
+    budget and store-all)."""
+    chain = hcv.profile(model, _batch(), warmup=0, repeats=1, progress=False)
     sol = hcv.solve(chain)
     schedule = sol.schedule((sol.min_budget + sol.store_all_peak) // 2)
     assert schedule.n_recomputed > 0
-    return schedule, chain
+    hcv.apply(model, schedule, chain=chain)
+    return model
 
 
 def _losses_of(model: nn.Module) -> tuple[list, object]:
@@ -94,8 +96,7 @@ def test_hf_trainer_with_default_arguments_trains_like_the_plain_model(tmp_path)
     model = _gpt2()
     plain = copy.deepcopy(model)
     plain.config.use_cache = False  # the reference: the same Trainer on the plain model, KV cache off
-    schedule, chain = _schedule_for(model, _batch())
-    hcv.apply(model, schedule, chain=chain)
+    _apply_schedule(model)
     got = _hf_train(model, str(tmp_path / "applied"))
     want = _hf_train(plain, str(tmp_path / "plain"))
     assert len(got) == len(want) == 3
@@ -114,8 +115,7 @@ def test_hf_trainer_epochs_ending_with_a_smaller_batch_train_like_the_plain_mode
     model = _gpt2()
     plain = copy.deepcopy(model)
     plain.config.use_cache = False
-    schedule, chain = _schedule_for(model, _batch())
-    hcv.apply(model, schedule, chain=chain)
+    _apply_schedule(model)
     data = _Tokens(2 * BATCH + 3)  # batches of 4, 4 and 3 samples an epoch
     got = _hf_train(model, str(tmp_path / "applied"), data, max_steps=-1, num_train_epochs=2)
     want = _hf_train(plain, str(tmp_path / "plain"), data, max_steps=-1, num_train_epochs=2)
@@ -127,8 +127,7 @@ def test_hf_trainer_epochs_ending_with_a_smaller_batch_train_like_the_plain_mode
 
 def test_hf_trainer_gradient_checkpointing_on_an_applied_schedule_is_refused(tmp_path):
     model = _gpt2(layers=1)
-    schedule, chain = _schedule_for(model, _batch())
-    hcv.apply(model, schedule, chain=chain)
+    _apply_schedule(model)
     with pytest.raises(DoubleCheckpointing, match="already checkpoints"):
         _hf_train(model, str(tmp_path), gradient_checkpointing=True)
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())  # nothing was turned on
@@ -138,10 +137,7 @@ def test_accelerate_prepare_in_a_plain_loop():
     accelerate = pytest.importorskip("accelerate")
     results = []
     for applied in (True, False):
-        model = _gpt2()
-        if applied:
-            schedule, chain = _schedule_for(model, _batch())
-            hcv.apply(model, schedule, chain=chain)
+        model = _apply_schedule(_gpt2()) if applied else _gpt2()
         accelerator = accelerate.Accelerator(cpu=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loader = torch.utils.data.DataLoader(_Tokens(), batch_size=BATCH)
@@ -185,10 +181,7 @@ def test_pytorch_lightning_trainer_on_a_module_whose_model_has_a_schedule():
 
     runs = []
     for applied in (True, False):
-        model = _gpt2()
-        if applied:
-            schedule, chain = _schedule_for(model, _batch())
-            hcv.apply(model, schedule, chain=chain)
+        model = _apply_schedule(_gpt2()) if applied else _gpt2()
         lit = LitLM(model)
         pl.seed_everything(0, verbose=False)
         trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
@@ -212,8 +205,7 @@ def test_peft_lora_model_trains_by_a_schedule_applied_to_its_base_model():
             lora = peft.get_peft_model(_gpt2(), peft.LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.1))
         base = lora.get_base_model()
         if applied:  # profiled after the adapters were added: the stages run them
-            schedule, chain = _schedule_for(base, _batch())
-            hcv.apply(base, schedule, chain=chain)
+            _apply_schedule(base)
         opt = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
         losses = []
         torch.manual_seed(0)
@@ -233,8 +225,7 @@ def test_peft_lora_model_trains_by_a_schedule_applied_to_its_base_model():
 def test_adapters_added_after_applying_are_refused():
     peft = pytest.importorskip("peft")
     model = _gpt2(layers=1)
-    schedule, chain = _schedule_for(model, _batch())
-    hcv.apply(model, schedule, chain=chain)
+    _apply_schedule(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"]))
