@@ -107,9 +107,9 @@ def test_measure_on_cuda():
 
 
 def test_solving_leaves_torch_thread_count_alone():
-    """Numba's OpenMP threading layer would set the process's OpenMP thread count, which PyTorch's CPU ops share: a
-    solve then undid torch.set_num_threads(1), and oneDNN's convolution backward allocated a weight-gradient buffer
-    per thread, beyond every prediction. The runtime registers a guard that keeps torch's count around each solve."""
+    """A solve must not touch the process's OpenMP thread count, which PyTorch's CPU ops share (a parallel Numba
+    kernel on OpenMP once undid torch.set_num_threads(1), and oneDNN's convolution backward then allocated a
+    weight-gradient buffer per thread, beyond every prediction). The solver's threads are plain Python threads."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -424,8 +424,35 @@ def test_kernel_tables_do_not_depend_on_the_thread_count(L):
         assert all(np.array_equal(a, b) for a, b in zip(one, _tables(chain, 120, threads)))
 
 
+def test_a_failing_tile_stops_every_thread_and_raises():
+    """An error in one thread of the fill reaches the caller; the threads waiting on that block stop instead of
+    waiting for ever."""
+    k = dict(solver._kernels())
+    calls = []
+
+    def tile(*args):
+        calls.append(args[-2:])
+        if args[-2] == 47 - 16:  # the second block (ihi = 31), at its own columns
+            raise RuntimeError("tile failed")
+        return k["tile"](*args)
+
+    chain = hcv.Chain.random(48, seed=1)
+    sizes = solver._slot_sizes(chain, solver.store_all_peak(chain), 30)
+    arr = chain.arrays()
+    L = chain.length
+    C, Cch = np.empty((L * (L + 1) // 2, 31)), np.empty((L * (L + 1) // 2, 31), np.int16)
+    G, LOC, SAT = (np.empty((L, L), np.int64) for _ in range(3))
+    k["bounds"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
+                sizes["nograd_tmp"], sizes["bwd_tmp"], G, LOC, SAT)
+    args = (sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], arr["fwd_time"], arr["bwd_time"], C, Cch, G, LOC, SAT)
+    with pytest.raises(RuntimeError, match="tile failed"):
+        solver._wavefront({**k, "tile": tile}, args, L, 31, 2)
+    assert not any(ihi == 47 - 32 and la > ihi for ihi, la in calls)  # the third block never ran past its own columns
+
+
 def test_concurrent_solves_from_threads():
-    """Two Python threads solving at once (two explorers) neither crash Numba's threading layer nor mix results."""
+    """Two Python threads solving at once (two explorers), each on its own threads, neither deadlock nor mix
+    results."""
     from concurrent.futures import ThreadPoolExecutor
 
     chains = [hcv.Chain.random(60, seed=s) for s in range(4)]
@@ -754,21 +781,19 @@ def test_optimal_schedule_narrows_the_rounding_gap():
 
 
 def test_solver_threads_leave_busy_cores_alone(monkeypatch):
-    """The default thread count is the free cores (a core busy elsewhere would stall OpenMP's barriers); an explicit
-    count is capped at Numba's; the table does not depend on either."""
+    """The default thread count is the free cores (a thread on a core busy elsewhere would hold up every block below
+    its own); an explicit count is capped at the cores; the table does not depend on either."""
     import os
 
-    top = solver._kernels()["threads"]()
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setattr(solver, "_busy_cores", lambda: 0)
-    assert solver.solver_threads() == max(1, min(top, cores))
+    assert solver.solver_threads() == cores
     monkeypatch.setattr(solver, "_busy_cores", lambda: cores)
     assert solver.solver_threads() == 1
     monkeypatch.setattr(solver, "_busy_cores", lambda: cores - 1)
     assert solver.solver_threads() == 1
-    assert solver.solver_threads(1) == 1 and solver.solver_threads(10**6) == top
+    assert solver.solver_threads(1) == 1 and solver.solver_threads(10**6) == cores
     assert 0 <= solver._busy_cores() < 10**6  # reads /proc/stat here
-    chain = hcv.Chain.random(20, seed=5)
-    one, many = hcv.solve(chain, slots=200, threads=1), hcv.solve(chain, slots=200, threads=top)
+    chain = hcv.Chain.random(40, seed=5)
+    one, many = hcv.solve(chain, slots=200, threads=1), hcv.solve(chain, slots=200, threads=cores)
     assert np.array_equal(one._Cch, many._Cch) and np.array_equal(one._D0, many._D0)
-    assert solver._kernels()["threads"]() == top  # the thread count is restored after a solve

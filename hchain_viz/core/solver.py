@@ -30,13 +30,10 @@ their input and never hand Python objects to the kernels.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -83,8 +80,6 @@ _BLOCK = 16
 # Rows (i, l) of a block filled together over l (see _fill_table): each left row C[i, j-1] is read once per tile.
 # 16 x 16 measured best at L = 500, 500 slots (2 cores; 8 x 8 took 1.2-1.5x as long, 32 x 32 no better).
 _TILE = 16
-# The loop _fill_table splits between threads: numba.prange once the kernels compile (_kernels), range before.
-prange = range
 
 
 def _row(L, i, l):  # noqa: E741  # pragma: no cover - runs compiled
@@ -102,7 +97,7 @@ def _take_chain(out, cho, sub, t, shift, lo, keep):  # pragma: no cover - runs c
         v = out[m]
         leaf_wins = v * keep < cv
         out[m] = v if leaf_wins else cv
-        cho[m] = cho[m] if leaf_wins else _CHAIN
+        cho[m] = cho[m] * leaf_wins  # _CHAIN is 0: a plain store, which LLVM vectorises
 
 
 def _sub_at(m, shift, top):  # pragma: no cover - runs compiled
@@ -180,13 +175,14 @@ def _leaf(out, cho, right, left, f, j, ties):  # pragma: no cover - runs compile
     scalar; ``r + 0.0`` (the same bits: times are never -0.0) and ``max`` for the choice (every strict caller takes
     j ascending over rows whose choices are _CHAIN = 0 or smaller j) make both plain stores. The tables stay
     bit-for-bit the same (checked against the previous kernel on 1,130 random chains)."""
-    if ties:
+    if ties:  # the same plain stores; j descends here, so the choice is blended rather than taken by max
         for k in range(out.shape[0]):
             v = f + right[k] + left[k]
             r = out[k]
             better = v <= r
-            out[k] = v if better else r
-            cho[k] = j if better else cho[k]
+            out[k] = v if better else r + 0.0
+            c = cho[k]
+            cho[k] = c + (j - c) * better
     else:
         jj = cho.dtype.type(j)
         for k in range(out.shape[0]):
@@ -247,78 +243,77 @@ def _finish(C, Cch, u, F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, ilo, i,
             cho[m] = _NONE
 
 
-def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, C, Cch, D, Dch, threads):  # pragma: no cover
-    """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices.
-    Sizes in slots (see ``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes the gradients δ; ``xs[i, j]`` the
-    part of x_j not in x_i, what a value x_j costs while x_i is resident (DESIGN §8); ``xbar`` the part of x̄_{i+1} not
-    in x_i; ``tr[i]`` the transit part of x_i (rounded down), which Fall(i) frees; ``co[i]`` its consumed part
-    (rounded down), which B(i) frees.
+def _tile(x, xs, xbar, tr, fwd, bwd, C, Cch, G, LOC, SAT, F, U, ihi, la):  # pragma: no cover - runs compiled
+    """Fill the rows (i, l) of the block of stages ``i in [ilo, ihi]`` for the columns ``l`` of one tile: the block's
+    own columns when ``la <= ihi`` (then also its forward sums ``F``), else ``l in [la, la + _TILE)``. Reads the
+    block's earlier columns and, for the leaves beyond the block, the rows C[j, l] of every later block (j > ihi) at
+    these columns, which must be final. ``F`` and ``U`` are the caller's scratch (``F`` kept across the block's
+    tiles).
 
-    Order: stages i descending, in blocks of _BLOCK; for each block, l ascending in tiles of _TILE; then every entry
-    read is final (C[j, l] has j > i, C[i, j-1] has j-1 < l; sizes of 0 read the same m of those rows). m is
-    innermost. Per row the options are taken in one fixed order: leaves with j beyond the block ascending, leaves
-    with j in the block descending, the chain option.
-
-    Tie rule (the twin in tests/oracles.py follows it): among leaf options the least time wins, the smallest j on
-    equal time; the chain option wins unless the best leaf is faster by more than _TIE_RTOL (relative).
-
-    Pruning (exact: the tables are bit-for-bit those of the plain loops): a leaf is skipped at the budgets where its
-    least possible time already exceeds a known schedule's (_useful_end). Nearly all the time is memory traffic over
-    rows of C: a tile reads each left row C[i, j-1] once for its _TILE rows (i, l), each right row C[j, l] once for
-    the block's rows, while the tile's own rows stay in cache.
-    """
+    Per row the options are taken in one fixed order: leaves with j beyond the block ascending, leaves with j in the
+    block descending, the chain option. Nearly all the time is memory traffic over rows of C: a tile reads each left
+    row C[i, j-1] once for its _TILE rows (i, l), each right row C[j, l] once for the block's rows, while the tile's
+    own rows stay in cache."""
     L = xbar.shape[0]
     S1 = C.shape[1]
-    inf = np.inf
     keep = 1.0 + _TIE_RTOL
-    G = np.empty((L, L), np.int64)
-    LOC = np.empty((L, L), np.int64)
-    SAT = np.empty((L, L), np.int64)
-    _bounds(x, xs, xbar, tr, co, ftmp, ntmp, btmp, G, LOC, SAT)
-    B = _BLOCK
-    T = _TILE
-    F = np.empty((B, L + 1))  # F[i - ilo, j] = fwd[i] + ... + fwd[j-1], summed in that order
-    # U[l - la, i - ilo]: the time of a valid schedule of (i, l) per budget, which prunes leaf options: Fall(i..ihi)
-    # around the final row (ihi+1, l), for the leaves beyond the block.
-    U = np.empty((T, B, S1))
-    for ihi in range(L - 1, -1, -B):
-        ilo = max(0, ihi - B + 1)
+    ilo = max(0, ihi - _BLOCK + 1)
+    if la <= ihi:  # the block's own columns: no checkpoint beyond the block yet
         for i in range(ilo, ihi + 1):
             s = 0.0
             for j in range(i + 1, L + 1):
                 s += fwd[j - 1]
                 F[i - ilo, j] = s
-        for l in range(ilo, ihi + 1):  # noqa: E741  # no checkpoint beyond the block yet
+        for l in range(ilo, ihi + 1):  # noqa: E741
             for i in range(ilo, l + 1):
                 C[_row(L, i, l)] = np.inf
                 Cch[_row(L, i, l)] = _CHAIN
             for i in range(l, ilo - 1, -1):
                 _finish(C, Cch, U[0, 0], F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, ilo, i, l, l, keep)
-        for la in range(ihi + 1, L, T):
-            lb = min(L - 1, la + T - 1)
-            for l in range(la, lb + 1):  # noqa: E741
-                for i in range(ihi, ilo - 1, -1):
-                    C[_row(L, i, l)] = np.inf
-                    Cch[_row(L, i, l)] = _CHAIN
-                    sub = C[_row(L, ihi + 1, l)] if i == ihi else U[l - la, i + 1 - ilo]
-                    _chain_time(U[l - la, i - ilo], sub, fwd[i] + bwd[i], xbar[i] - tr[i], min(LOC[i, l], S1))
-            # Checkpoints j <= la: their left rows C[i, j-1] are final for every row of the tile. The rows of
-            # different i are independent here: the block is split between the threads, in contiguous parts.
-            parts = min(threads, ihi + 1 - ilo)
-            for part in prange(parts):
-                i0 = ilo + (ihi + 1 - ilo) * part // parts
-                i1 = ilo + (ihi + 1 - ilo) * (part + 1) // parts
-                for j in range(ihi + 1, la + 1):
-                    for l in range(la, lb + 1):  # noqa: E741
-                        _leaves(C, Cch, U[l - la], F, G, SAT, x, xs, L, S1, ilo, i0, i1, j, l)
-            for l in range(la, lb + 1):  # noqa: E741
-                for j in range(la + 1, l + 1):  # left rows of the tile, final now
-                    _leaves(C, Cch, U[l - la], F, G, SAT, x, xs, L, S1, ilo, ilo, ihi + 1, j, l)
-                for i in range(ihi, ilo - 1, -1):
-                    _finish(C, Cch, U[l - la, i - ilo], F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, ilo, i,
-                            ihi, l, keep)
+        return
+    lb = min(L - 1, la + _TILE - 1)
+    # U[l - la, i - ilo]: the time of a valid schedule of (i, l) per budget, which prunes leaf options: Fall(i..ihi)
+    # around the final row (ihi+1, l), for the leaves beyond the block.
+    for l in range(la, lb + 1):  # noqa: E741
+        for i in range(ihi, ilo - 1, -1):
+            C[_row(L, i, l)] = np.inf
+            Cch[_row(L, i, l)] = _CHAIN
+            sub = C[_row(L, ihi + 1, l)] if i == ihi else U[l - la, i + 1 - ilo]
+            _chain_time(U[l - la, i - ilo], sub, fwd[i] + bwd[i], xbar[i] - tr[i], min(LOC[i, l], S1))
+    for j in range(ihi + 1, la + 1):  # checkpoints j <= la: their left rows C[i, j-1] are final for the whole tile
+        for l in range(la, lb + 1):  # noqa: E741
+            _leaves(C, Cch, U[l - la], F, G, SAT, x, xs, L, S1, ilo, ilo, ihi + 1, j, l)
+    for l in range(la, lb + 1):  # noqa: E741
+        for j in range(la + 1, l + 1):  # left rows of the tile, final now
+            _leaves(C, Cch, U[l - la], F, G, SAT, x, xs, L, S1, ilo, ilo, ihi + 1, j, l)
+        for i in range(ihi, ilo - 1, -1):
+            _finish(C, Cch, U[l - la, i - ilo], F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, ilo, i, ihi, l,
+                    keep)
 
-    # The spine with the loss: D[., L] is the loss (creates δ_L), then i = L-1 .. 0.
+
+def _columns(ihi, L):  # pragma: no cover - runs compiled
+    """The first column of each tile of the block that ends at ``ihi``: its own columns first, then tiles of _TILE
+    (the blocks are aligned from the last stage, so each tile is exactly a later block's columns)."""
+    return [max(0, ihi - _BLOCK + 1)] + list(range(ihi + 1, L, _TILE))
+
+
+def _fill_blocks(x, xs, xbar, tr, fwd, bwd, C, Cch, G, LOC, SAT):  # pragma: no cover - runs compiled
+    """Every block of C on this thread: blocks from the last stage down, each tile by tile."""
+    L = xbar.shape[0]
+    F = np.empty((_BLOCK, L + 1))
+    U = np.empty((_TILE, _BLOCK, C.shape[1]))
+    for ihi in range(L - 1, -1, -_BLOCK):
+        for la in _columns(ihi, L):
+            _tile(x, xs, xbar, tr, fwd, bwd, C, Cch, G, LOC, SAT, F, U, ihi, la)
+
+
+def _spine(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, C, D, Dch):  # pragma: no cover - runs compiled
+    """Fill D (rows i = 0..L) and its choices from the final C: the spine with the loss. D[., L] is the loss
+    (creates δ_L), then i = L-1 .. 0."""
+    L = xbar.shape[0]
+    S1 = C.shape[1]
+    inf = np.inf
+    keep = 1.0 + _TIE_RTOL
     for m in range(S1):  # δ_L
         D[L, m] = 0.0 if m >= x[L] else inf
         Dch[L, m] = _CHAIN if m >= x[L] else _NONE
@@ -459,24 +454,99 @@ def _least_memory(x, xs, xbar, tr, co, ftmp, ntmp, btmp):  # pragma: no cover - 
     return Dm[0]
 
 
+def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, C, Cch, D, Dch, threads: int) -> None:
+    """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices, on
+    ``threads`` threads. Sizes in slots (see ``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes the gradients
+    δ; ``xs[i, j]`` the part of x_j not in x_i, what a value x_j costs while x_i is resident (DESIGN §8); ``xbar`` the
+    part of x̄_{i+1} not in x_i; ``tr[i]`` the transit part of x_i (rounded down), which Fall(i) frees; ``co[i]`` its
+    consumed part (rounded down), which B(i) frees.
+
+    Order: stages i descending, in blocks of _BLOCK; for each block, its own columns l, then l ascending in tiles of
+    _TILE (``_tile``); then every entry read is final (C[j, l] has j > i, C[i, j-1] has j-1 < l; sizes of 0 read the
+    same m of those rows). m is innermost. The spine D comes last.
+
+    Tie rule (the twin in tests/oracles.py follows it): among leaf options the least time wins, the smallest j on
+    equal time; the chain option wins unless the best leaf is faster by more than _TIE_RTOL (relative).
+
+    Pruning (exact: the tables are bit-for-bit those of the plain loops): a leaf is skipped at the budgets where its
+    least possible time already exceeds a known schedule's (_useful_end).
+
+    Threads (``_wavefront``) take whole blocks, and a tile waits only for the same columns of the block above it, so
+    the tables do not depend on the thread count, and a thread that waits sleeps instead of spinning.
+    """
+    k = _kernels()
+    L = xbar.shape[0]
+    G, LOC, SAT = (np.empty((L, L), np.int64) for _ in range(3))
+    k["bounds"](x, xs, xbar, tr, co, ftmp, ntmp, btmp, G, LOC, SAT)
+    blocks = -(-L // _BLOCK)
+    if threads <= 1 or blocks < 2:
+        k["blocks"](x, xs, xbar, tr, fwd, bwd, C, Cch, G, LOC, SAT)
+    else:
+        _wavefront(k, (x, xs, xbar, tr, fwd, bwd, C, Cch, G, LOC, SAT), L, C.shape[1], min(threads, blocks))
+    k["spine"](x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, C, D, Dch)
+
+
+def _wavefront(k: dict[str, Any], args: tuple, L: int, S1: int, threads: int) -> None:
+    """C's blocks on ``threads`` threads. Each thread takes the next block not yet taken, counted from the last
+    stage, and fills it tile by tile (``_tile``, compiled without the GIL). A tile needs the rows of every later block
+    at its columns; the block just above has them once it has finished those columns itself (it waited for the one
+    above it), so each block follows the block above one tile behind. Waiting is on a condition, never a spinning
+    barrier: with a core taken by other work, a thread that waits costs nothing (OpenMP's barriers measured 2.8x
+    slower than one thread at L = 500)."""
+    tops = list(range(L - 1, -1, -_BLOCK))
+    done = [0] * len(tops)  # columns l < done[b] of block b are final
+    taken = [0]  # blocks taken so far
+    failed: list[BaseException] = []
+    cond = threading.Condition()
+
+    def ready(b: int, end: int) -> bool:
+        return done[b - 1] >= end or bool(failed)
+
+    def work() -> None:
+        F = np.empty((_BLOCK, L + 1))
+        U = np.empty((_TILE, _BLOCK, S1))
+        try:
+            while True:
+                with cond:
+                    b = taken[0]
+                    taken[0] += 1
+                if b >= len(tops) or failed:
+                    return
+                ihi = tops[b]
+                for la in k["columns"](ihi, L):
+                    end = ihi + 1 if la <= ihi else min(L, la + _TILE)
+                    if la > ihi:
+                        with cond:
+                            cond.wait_for(lambda b=b, end=end: ready(b, end))
+                            if failed:
+                                return
+                    k["tile"](*args, F, U, ihi, la)
+                    with cond:
+                        done[b] = end
+                        cond.notify_all()
+        except BaseException as e:  # noqa: BLE001  # handed to the caller; the other threads stop waiting
+            with cond:
+                failed.append(e)
+                cond.notify_all()
+
+    helpers = [threading.Thread(target=work, daemon=True) for _ in range(1, threads)]
+    for t in helpers:
+        t.start()
+    work()
+    for t in helpers:
+        t.join()
+    if failed:
+        raise failed[0]
+
+
 _compiled: dict[str, Any] = {}
-# One table fill at a time: _fill_table runs on Numba's threads, and Numba's workqueue threading layer (its fallback
-# where OpenMP is missing) aborts the process when two Python threads launch parallel kernels at once (say, two
-# explorers solving in the background).
-_FILL_LOCK = threading.Lock()
-# Context managers entered around each parallel table fill. Numba's OpenMP layer (its fastest here: 2.9 s against the
-# workqueue layer's 3.7 s at L = 500) sets the process's OpenMP thread count, which PyTorch's CPU ops share: one solve
-# would undo torch.set_num_threads and change what some kernels allocate (oneDNN's convolution backward keeps a
-# weight-gradient buffer per thread: 2.25 MiB more on a small ResNet, beyond every prediction). The runtime, which
-# may import torch, registers the guard that keeps torch's count (hchain_viz/runtime/__init__.py).
-PARALLEL_GUARDS: list[Callable[[], AbstractContextManager[Any]]] = []
 
 
 def _busy_cores() -> int:
     """Cores other work is using now: runnable threads system-wide (``procs_running`` of ``/proc/stat``, an
     instantaneous count, unlike the load average) less this one, the least of up to three looks a millisecond apart
-    (a thread of ours that is still spinning after the last parallel region counts once at most; the first look that
-    sees nothing busy ends it). 0 where unknown."""
+    (a thread that is just finishing counts once at most; the first look that sees nothing busy ends it). 0 where
+    unknown."""
     least = None
     try:
         for k in range(3):
@@ -496,18 +566,16 @@ def _busy_cores() -> int:
 
 
 def solver_threads(requested: int | None = None) -> int:
-    """How many threads a table fill uses: ``requested`` (capped at Numba's thread count), or by default the cores
-    this process may run on that nothing else is using now (at least 1, at most Numba's count). With a core taken,
-    OpenMP's barriers wait on a thread the busy core has descheduled: measured 2.8x slower than one thread at
-    L = 500 (``bench solver --threads``), so the default never counts on a busy core."""
-    top = _kernels()["threads"]()
-    if requested is not None:
-        return max(1, min(int(requested), top))
+    """How many threads a table fill uses: ``requested`` (capped at the cores this process may run on), or by default
+    those cores that nothing else is using now (at least 1). A thread on a core that other work holds would hold up
+    every block below its own (``_wavefront``), so the default never counts on a busy core."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, min(top, cores - _busy_cores()))
+    if requested is not None:
+        return max(1, min(int(requested), cores))
+    return max(1, cores - _busy_cores())
 
 
 def _kernels() -> dict[str, Any]:
@@ -519,15 +587,13 @@ def _kernels() -> dict[str, Any]:
             raise DependencyError("the solver needs Numba: pip install numba (it comes with pip install hchain_viz)") \
                 from None
 
-        # Callees first: a kernel resolves the helpers it calls (and prange) through the module globals when it
-        # compiles.
+        # Callees first: a kernel resolves the helpers it calls through the module globals when it compiles.
         g = globals()
-        g["prange"] = numba.prange
         for name in ("_row", "_sub_at", "_take_chain", "_bounds", "_useful_end", "_chain_time", "_leaf", "_leaves",
-                     "_finish", "_fill_table", "_rebuild", "_least_memory"):
-            g[name] = numba.njit(**_NUMBA_OPTIONS, parallel=name == "_fill_table")(g[name])
-        _compiled.update(fill=_fill_table, rebuild=_rebuild, least=_least_memory, threads=numba.get_num_threads,
-                         set_threads=numba.set_num_threads)
+                     "_finish", "_tile", "_columns", "_fill_blocks", "_spine", "_rebuild", "_least_memory"):
+            g[name] = numba.njit(**_NUMBA_OPTIONS)(g[name])
+        _compiled.update(fill=_fill_table, bounds=_bounds, tile=_tile, columns=_columns, blocks=_fill_blocks,
+                         spine=_spine, rebuild=_rebuild, least=_least_memory)
     return _compiled
 
 
@@ -914,18 +980,9 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     Cch = np.empty((rows, slots + 1), choice_type)
     D = np.empty((L + 1, slots + 1), np.float64)
     Dch = np.empty((L + 1, slots + 1), choice_type)
-    k = _kernels()
-    with _FILL_LOCK, contextlib.ExitStack() as guards:
-        for guard in PARALLEL_GUARDS:
-            guards.enter_context(guard())
-        before = k["threads"]()
-        n = solver_threads(threads)
-        k["set_threads"](n)  # the team of the fill's parallel loop (thread-local in Numba): no idle member to wait for
-        try:
-            k["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
-                      sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, n)
-        finally:
-            k["set_threads"](before)
+    _kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
+                       sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch,
+                       solver_threads(threads))
     D0 = D[0].copy()
     del C, D  # only the choices (and the answers D[., 0]) are kept
     return Solution(chain, max_budget, slots, peak, sizes, Cch, Dch, D0)
