@@ -5,8 +5,8 @@
 + int16 choices) and kept afterwards (the choices), and the median time of ``Solution.schedule`` at a mid-range
 budget. Then the cost of a fresh process (import + first solve of L=100), with Numba's cache empty and warm.
 Chains are ``Chain.random(L, seed=0)``. Timings are wall-clock, with the build's CPU time beside it: the table fill
-runs on Numba's threads (``NUMBA_NUM_THREADS``, default one per core), so CPU time is up to that many times the wall
-time; on a shared machine both are noisy, and the old and new code are best compared side by side in one run.
+runs on one thread per free core (``solver.solver_threads``), so CPU time is up to that many times the wall time; on
+a shared machine both are noisy, and the old and new code are best compared side by side in one run.
 
 ``--threads``: the thread-count options side by side (issue 24: a solver that holds up on a busy machine): for each
 L, interleaved rounds of ``solve(chain, threads=1)``, ``threads=2`` and the default (the free cores, see
