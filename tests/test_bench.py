@@ -89,3 +89,32 @@ def test_honest_measures_on_a_model_transformer():
     least_fw = min(p for n in FRAMEWORK for p, _ in frontier_points(chain).get(n, []))
     assert m["reach"] == least_budget(chain) / least_fw < 1
     assert m["ckpt_max"] >= m["ckpt_mean"] >= 0 and 0 <= m["hf_share"] <= 1
+
+
+def test_measured_measures_read_measured_points():
+    """bench transformers --honest --measured: the measures come from each schedule's measured peak and median step
+    time. Fed the simulator's own numbers for one chain used as both granularities, they must say so: no gain of the
+    sub-layer optimum over the module one, equal least budgets, no spread, peaks as predicted."""
+    import hchain_viz as hcv
+    from hchain_viz.core.simulate import peak_and_makespan
+    from hchain_viz.core.solver import least_budget, store_all_peak
+    from hchain_viz.core.strategies import _candidates, store_all
+
+    pytest.importorskip("torch")
+    from hchain_viz.bench import optimal_at
+    from hchain_viz.bench.transformers import FRAMEWORK, measured_measures
+
+    chain = hcv.Chain.transformer(4)
+    lo, hi = least_budget(chain), store_all_peak(chain)
+    optimal = [optimal_at(chain, lo + (hi - lo) * k // 9) for k in range(10)]
+    framework = [(f, s) for f, cands in _candidates(chain).items() if f in FRAMEWORK for *_, s in cands]
+    runs = []
+    for key, family, s in ([("sub", "optimal", s) for s in optimal] + [("sub", f, s) for f, s in framework]
+                           + [("module", "optimal", s) for s in optimal] + [("module", "store_all", store_all(chain))]):
+        peak, t = peak_and_makespan(chain, s)
+        runs.append((key, family, peak, peak, [t, t, t]))
+    m = measured_measures(runs, grid=10)
+    assert m["module_mean"] == 0 and m["least_ratio"] == 1 and m["spread_max"] == 0 and m["peak_ratio"] == (1, 1)
+    least_fw = min(p for k, f, _, p, _ in runs if k == "sub" and f != "optimal")
+    assert m["reach"] == min(p for k, f, _, p, _ in runs if f == "optimal") / least_fw < 1
+    assert m["schedules"] == len(runs) and 0 <= m["hf_share"] <= 1 and m["ckpt_max"] >= m["ckpt_mean"]

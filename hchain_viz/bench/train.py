@@ -168,10 +168,11 @@ class _CheckpointSequential(nn.Module):
         return checkpoint_sequential(self.stages, self.segments, x, use_reentrant=False)
 
 
-def _interleaved_times(modules: list[Any], x: Any, loss_fn: Any, rounds: int, fresh_copy: Any) -> list[float]:
-    """Median step time of each module, timing one step of each per round in a shuffled order (a warm-up round
-    first). Timed as ``measure`` times: CUDA events on a GPU (kernels run asynchronously: a wall clock around the
-    calls would see only their launches), ``perf_counter`` elsewhere."""
+def _interleaved_times(modules: list[Any], x: Any, loss_fn: Any, rounds: int, fresh_copy: Any,
+                       samples: bool = False) -> list[Any]:
+    """Median step time of each module (or, with ``samples``, every step time), timing one step of each per round in
+    a shuffled order (a warm-up round first). Timed as ``measure`` times: CUDA events on a GPU (kernels run
+    asynchronously: a wall clock around the calls would see only their launches), ``perf_counter`` elsewhere."""
     from ..runtime.measure import _timed
     from ..runtime.memtrack import tensors
 
@@ -180,7 +181,7 @@ def _interleaved_times(modules: list[Any], x: Any, loss_fn: Any, rounds: int, fr
     for p in params:  # gradients exist before timing, as in a training loop after its first step
         if p.grad is None:
             p.grad = p.detach().new_zeros(p.shape)
-    samples: list[list[float]] = [[] for _ in modules]
+    times: list[list[float]] = [[] for _ in modules]
     order = list(range(len(modules)))
     shuffle = random.Random(0).shuffle
     for r in range(rounds + 1):
@@ -192,6 +193,6 @@ def _interleaved_times(modules: list[Any], x: Any, loss_fn: Any, rounds: int, fr
             for p in params:
                 p.grad.zero_()
             if r:
-                samples[k].append(dt)
-    return [statistics.median(s) for s in samples]
+                times[k].append(dt)
+    return times if samples else [statistics.median(t) for t in times]
 

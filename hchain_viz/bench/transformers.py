@@ -43,6 +43,13 @@ layers (any n), Megatron block and uniform (any k). Per row:
   as its overhead over its own chain's store-all time (the roofline sums of a layer's parts and of the whole layer
   differ: their ratio is printed), and the ratio of their least budgets.
 
+``--honest --measured``: the same measures from runs instead of the simulator. Every schedule (the sub-layer
+optimum at ``--grid`` budgets from its least to store-all, every framework baseline, the module optimum at the same
+budgets) is run by the executor on this CPU with times as profiled (identical layers tied): each point is its
+measured peak and median step time over ``--rounds`` interleaved rounds of all of them together, and the grid runs
+from the least measured peak of the optimum to store-all's. The noise columns: the median and largest spread of a
+schedule's step times (half the range over the median), and measured over predicted peaks.
+
 ``--per-layer-check``: the same per-layer schedule on the module and the sub-layer chain of one model (``--models``,
 first entry; ``--seqs``, first entry): predicted and measured peaks of both (the LLaMA seq-1024 discrepancy).
 """
@@ -75,6 +82,8 @@ def run(args: list[str]) -> None:
     parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds (median taken)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
     parser.add_argument("--honest", action="store_true", help="issue 24's measures, simulated (H100 roofline)")
+    parser.add_argument("--measured", action="store_true",
+                        help="--honest: run every schedule by the executor and measure (CPU times, not H100)")
     parser.add_argument("--per-layer-check", action="store_true", help="one per-layer schedule, both granularities")
     parser.add_argument("--seqs", default="256,1024", help="--honest: comma-separated sequence lengths")
     parser.add_argument("--layer-counts", default="4,8", help="--honest: comma-separated layer counts")
@@ -235,74 +244,144 @@ def _chain(name: str, layers: int, seq: int, granularity: str | None, opts: Any,
     return chain, stages, x, loss_fn
 
 
-def honest_measures(sub: Any, module: Any, grid: int = 24) -> dict[str, float]:
-    """Issue 24's measures for one model: ``sub`` and ``module`` are its chains at sub-layer and module granularity
-    (see the module docstring, ``--honest``). Gains are ``baseline time / optimal time - 1`` at equal budget."""
-    from ..core.solver import least_budget, solve
-    from ..core.strategies import frontier_points
+def _best(points: list[tuple[int, float]], b: float) -> float:
+    """The least time among ``points`` (peak, time) whose peak fits ``b``; inf where none does."""
+    return min((t for p, t in points if p <= b), default=float("inf"))
 
-    def fw(chain: Any, names: tuple[str, ...]) -> list[tuple[int, float]]:
-        pts = frontier_points(chain)
-        return [p for n in names if n in pts for p in pts[n]]
 
-    def best(points: list[tuple[int, float]], b: float) -> float | None:
-        fits = [t for p, t in points if p <= b]
-        return min(fits) if fits else None
-
-    sol, msol = solve(sub, slots=4000), solve(module, slots=4000)
-    least = least_budget(sub)
-    framework = fw(sub, FRAMEWORK)
-    least_fw = min(p for p, _ in framework)
-    least_fw_time = best(framework, least_fw)
+def _grid_measures(opt: Any, module: Any, framework: dict[str, list[tuple[int, float]]], least: int,
+                   least_module: int, top: int, times: tuple[float, float], grid: int) -> dict[str, float]:
+    """Issue 24's measures over ``grid`` budgets from ``least`` to ``top``: ``opt(b)`` and ``module(b)`` are the
+    sub-layer and module optimum's time within budget b (inf where nothing fits), ``framework`` the (peak, time)
+    points of each framework baseline family, ``times`` the store-all time of the sub-layer and the module chain.
+    Gains are ``baseline time / optimal time - 1`` at equal budget."""
+    pts = lambda names: [p for n in names for p in framework.get(n, [])]  # noqa: E731
+    every, hf, ckpt = pts(FRAMEWORK), pts(HF), pts(("layer_periodic",))
+    least_fw = min(p for p, _ in every)
     b75 = int(0.75 * least_fw)
-    at75 = sol.makespan(b75) / least_fw_time - 1 if b75 >= least else float("nan")
-    budgets = [least + (sol.store_all_peak - least) * k // (grid - 1) for k in range(grid)]
+    at75 = opt(b75) / _best(every, least_fw) - 1 if b75 >= least else float("nan")
     out: dict[str, list[float]] = {"hf": [], "hf_ok": [], "ckpt": [], "best": [], "module": []}
-    hf, ckpt = fw(sub, HF), fw(sub, ("layer_periodic",))
-    for b in budgets:
-        t = sol.makespan(b)
-        h = best(hf, b)
-        if h is not None:
+    for b in (least + (top - least) * k // (grid - 1) for k in range(grid)):
+        t = opt(b)
+        h = _best(hf, b)
+        if h != float("inf"):
             out["hf"].append(h / t - 1)
-        out["hf_ok"].append(1.0 if h is None or h / t - 1 >= 0.15 else 0.0)
-        c = best(ckpt, b)
-        if c is not None:
-            out["ckpt"].append(c / t - 1)
-        f = best(framework, b)
-        if f is not None:
-            out["best"].append(f / t - 1)
-        m = msol.makespan(b)
+        out["hf_ok"].append(1.0 if h == float("inf") or h / t - 1 >= 0.15 else 0.0)
+        for key, points in (("ckpt", ckpt), ("best", every)):
+            f = _best(points, b)
+            if f != float("inf"):
+                out[key].append(f / t - 1)
+        m = module(b)
         if m != float("inf"):  # overheads over each chain's own store-all time (their roofline sums differ)
-            out["module"].append((m / module.store_all_time) / (t / sub.store_all_time) - 1)
+            out["module"].append((m / times[1]) / (t / times[0]) - 1)
     mean = lambda v: statistics.mean(v) if v else float("nan")  # noqa: E731
     return {"reach": least / least_fw, "at75": at75, "hf_mean": mean(out["hf"]), "hf_share": mean(out["hf_ok"]),
             "ckpt_mean": mean(out["ckpt"]), "ckpt_max": max(out["ckpt"], default=float("nan")),
             "best_mean": mean(out["best"]), "best_min": min(out["best"], default=float("nan")),
-            "module_mean": mean(out["module"]), "least_ratio": least_budget(module) / least,
-            "store_all_ratio": module.store_all_time / sub.store_all_time,
-            "layers": len(sub.groups), "grid": grid}
+            "module_mean": mean(out["module"]), "least_ratio": least_module / least,
+            "store_all_ratio": times[1] / times[0], "grid": grid}
+
+
+def honest_measures(sub: Any, module: Any, grid: int = 24) -> dict[str, float]:
+    """Issue 24's measures for one model, simulated: ``sub`` and ``module`` are its chains at sub-layer and module
+    granularity (see the module docstring, ``--honest``)."""
+    from ..core.solver import least_budget, solve
+    from ..core.strategies import frontier_points
+
+    sol, msol = solve(sub, slots=4000), solve(module, slots=4000)
+    m = _grid_measures(sol.makespan, msol.makespan, frontier_points(sub), least_budget(sub), least_budget(module),
+                       sol.store_all_peak, (sub.store_all_time, module.store_all_time), grid)
+    return {**m, "layers": len(sub.groups)}
+
+
+def _measured_points(name: str, layers: int, seq: int, opts: Any) -> list[tuple]:
+    """Issue 24's schedules run by the executor on the CPU (times as profiled: identical layers tied): the framework
+    baselines and the optimum at ``--grid`` budgets of the sub-layer chain, the optimum at the same budgets of the
+    module chain; measured peaks, then step times from ``--rounds`` interleaved rounds of all of them together.
+    One row per schedule: (chain key, family or "optimal", predicted peak, measured peak, step-time samples)."""
+    from ..core.simulate import peak_and_makespan
+    from ..core.solver import least_budget, store_all_peak
+    from ..core.strategies import _candidates, store_all
+    from ..runtime.measure import fresh_copy, measure
+    from ..runtime.wrap import wrap
+    from . import optimal_at
+    from .train import _interleaved_times
+
+    runs = []  # (chain key, family or "optimal", schedule, wrapped module, x, loss_fn)
+    chains = {}
+    for key, granularity in (("sub", "sublayer"), ("module", None)):
+        chain, stages, x, loss_fn = _chain(name, layers, seq, granularity, opts, estimate=False)
+        chains[key] = chain
+        seq_module = nn.Sequential(*[m for _, m in stages])
+        lo, hi = least_budget(chain), store_all_peak(chain)
+        schedules = [("optimal", optimal_at(chain, lo + (hi - lo) * k // (opts.grid - 1))) for k in range(opts.grid)]
+        if key == "sub":
+            schedules += [(family, s) for family, cands in _candidates(chain).items() if family in FRAMEWORK
+                          for _, _, _, s in cands]
+        else:  # the module chain's store-all time: its overheads are taken over it
+            schedules.append(("store_all", store_all(chain)))
+        runs += [(key, family, s, wrap(seq_module, s), x, loss_fn) for family, s in schedules]
+    peaks = [measure(m, x, loss_fn, repeats=1).peak_bytes for *_, m, x, loss_fn in runs]
+    samples = _interleaved_times([r[3] for r in runs], runs[0][4], runs[0][5], opts.rounds, fresh_copy,
+                                 samples=True)
+    return [(k, f, peak_and_makespan(chains[k], s)[0], p, sam)
+            for (k, f, s, _, _, _), p, sam in zip(runs, peaks, samples)]
+
+
+def measured_measures(runs: list[tuple], grid: int = 24) -> dict[str, float]:
+    """Issue 24's measures from measured runs (rows of ``_measured_points``), each point its measured peak and median
+    step time; plus the noise (the median and the largest spread, half the range over the median, of a schedule's
+    step times) and the range of measured over predicted peaks."""
+    def points(key: str, family: str) -> list[tuple[int, float]]:
+        return [(p, statistics.median(t)) for k, f, _, p, t in runs if k == key and f == family]
+
+    sub_opt, mod_opt = points("sub", "optimal"), points("module", "optimal")
+    framework: dict[str, list[tuple[int, float]]] = {}
+    for k, f, _, p, t in runs:
+        if k == "sub" and f != "optimal":
+            framework.setdefault(f, []).append((p, statistics.median(t)))
+    store = (min(t for _, t in points("sub", "store_all")), min(t for _, t in points("module", "store_all")))
+    m = _grid_measures(lambda b: _best(sub_opt, b), lambda b: _best(mod_opt, b), framework,
+                       min(p for p, _ in sub_opt), min(p for p, _ in mod_opt), max(p for p, _ in sub_opt), store, grid)
+    spreads = [(max(t) - min(t)) / (2 * statistics.median(t)) for *_, t in runs]
+    ratios = [p / q for _, _, q, p, _ in runs]
+    return {**m, "spread_median": statistics.median(spreads), "spread_max": max(spreads), "schedules": len(runs),
+            "peak_ratio": (min(ratios), max(ratios))}
 
 
 def _honest(opts: Any) -> None:
     names = [n.strip() for n in opts.models.split(",") if n.strip()]
     names = [n for n in names if n in ("gpt2", "llama")] or ["gpt2", "llama"]
-    print(f"Issue 24's measures, simulated (roofline H100 times, sizes measured on the CPU): hidden {opts.hidden}, "
-          f"batch {opts.batch}, {opts.grid} budgets from the least feasible to store-all; gains are "
-          f"baseline time / optimal time - 1 at equal budget")
+    if opts.measured:
+        print(f"Issue 24's measures, measured (executor on this CPU, {torch.get_num_threads()} threads; times as "
+              f"profiled, identical layers tied): hidden {opts.hidden}, batch {opts.batch}, {opts.grid} budgets from "
+              f"the least measured peak to store-all's; step times: median of {opts.rounds} interleaved rounds")
+    else:
+        print(f"Issue 24's measures, simulated (roofline H100 times, sizes measured on the CPU): hidden {opts.hidden}, "
+              f"batch {opts.batch}, {opts.grid} budgets from the least feasible to store-all; gains are "
+              f"baseline time / optimal time - 1 at equal budget")
     head = ("model", "layers", "seq", "reach", "@0.75x", "vs HF mean", ">=15% share", "vs ckpt_seq mean/max",
             "vs best mean/min", "sub vs module", "least module/sub", "store-all module/sub")
+    if opts.measured:
+        head += ("schedules", "spread median/max", "measured/predicted peak")
     rows = []
     for name in names:
         for layers in (int(v) for v in opts.layer_counts.split(",")):
             for seq in (int(v) for v in opts.seqs.split(",")):
-                sub = _chain(name, layers, seq, "sublayer", opts)[0]
-                module = _chain(name, layers, seq, None, opts)[0]
-                m = honest_measures(sub, module, opts.grid)
+                if opts.measured:
+                    m = measured_measures(_measured_points(name, layers, seq, opts), opts.grid)
+                else:
+                    m = honest_measures(_chain(name, layers, seq, "sublayer", opts)[0],
+                                        _chain(name, layers, seq, None, opts)[0], opts.grid)
                 p = lambda v: f"{100 * v:+.1f}%"  # noqa: E731
-                rows.append((name, str(layers), str(seq), f"{m['reach']:.2f}x", p(m["at75"]), p(m["hf_mean"]),
-                             f"{100 * m['hf_share']:.0f}%", f"{p(m['ckpt_mean'])} / {p(m['ckpt_max'])}",
-                             f"{p(m['best_mean'])} / {p(m['best_min'])}", p(m["module_mean"]),
-                             f"{m['least_ratio']:.2f}x", f"{m['store_all_ratio']:.3f}"))
+                row = (name, str(layers), str(seq), f"{m['reach']:.2f}x", p(m["at75"]), p(m["hf_mean"]),
+                       f"{100 * m['hf_share']:.0f}%", f"{p(m['ckpt_mean'])} / {p(m['ckpt_max'])}",
+                       f"{p(m['best_mean'])} / {p(m['best_min'])}", p(m["module_mean"]),
+                       f"{m['least_ratio']:.2f}x", f"{m['store_all_ratio']:.3f}")
+                if opts.measured:
+                    row += (str(m["schedules"]), f"±{100 * m['spread_median']:.0f}% / ±{100 * m['spread_max']:.0f}%",
+                            "{:.3f}-{:.3f}".format(*m["peak_ratio"]))
+                rows.append(row)
                 print_table(head, rows[-1:], left=2)
     print()
     print_table(head, rows, left=2)
