@@ -300,11 +300,10 @@ def _measured_points(name: str, layers: int, seq: int, opts: Any) -> list[tuple]
     module chain; measured peaks, then step times from ``--rounds`` interleaved rounds of all of them together.
     One row per schedule: (chain key, family or "optimal", predicted peak, measured peak, step-time samples)."""
     from ..core.simulate import peak_and_makespan
-    from ..core.solver import least_budget, store_all_peak
+    from ..core.solver import solve
     from ..core.strategies import _candidates, store_all
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.wrap import wrap
-    from . import optimal_at
     from .train import _interleaved_times
 
     runs = []  # (chain key, family or "optimal", schedule, wrapped module, x, loss_fn)
@@ -313,8 +312,9 @@ def _measured_points(name: str, layers: int, seq: int, opts: Any) -> list[tuple]
         chain, stages, x, loss_fn = _chain(name, layers, seq, granularity, opts, estimate=False)
         chains[key] = chain
         seq_module = nn.Sequential(*[m for _, m in stages])
-        lo, hi = least_budget(chain), store_all_peak(chain)
-        schedules = [("optimal", optimal_at(chain, lo + (hi - lo) * k // (opts.grid - 1))) for k in range(opts.grid)]
+        sol = solve(chain, slots=20000)  # one table for the whole grid: a slot is 1/20000 of store-all's peak
+        lo, hi = sol.min_budget, sol.store_all_peak
+        schedules = [("optimal", sol.schedule(lo + (hi - lo) * k // (opts.grid - 1))) for k in range(opts.grid)]
         if key == "sub":
             schedules += [(family, s) for family, cands in _candidates(chain).items() if family in FRAMEWORK
                           for _, _, _, s in cands]
