@@ -89,4 +89,3 @@ def test_honest_measures_on_a_model_transformer():
     least_fw = min(p for n in FRAMEWORK for p, _ in frontier_points(chain).get(n, []))
     assert m["reach"] == least_budget(chain) / least_fw < 1
     assert m["ckpt_max"] >= m["ckpt_mean"] >= 0 and 0 <= m["hf_share"] <= 1
-
