@@ -672,3 +672,23 @@ def test_offload_matrix_moves_checkpoints_and_saved_activations():
             trace = simulate(chain, s)
             kinds |= {h.kind for h in trace.host_lifetimes}
     assert kinds == {"x", "xbar"}
+
+
+def test_a_parameter_replaced_or_frozen_after_a_step_is_seen_by_the_next_one():
+    """The executor lists each stage's modules once and reads their parameters live: a weight replaced by a frozen
+    copy after a step makes the next step learn again which cut tensors need a gradient (none here), as eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    wrapped = wrap(model, strategies.recompute_all(Chain.random(3)))
+    wrapped(x).sum().backward()
+    assert wrapped._grad_mask[1] == [True]
+    model[0].weight = nn.Parameter(model[0].weight.detach().clone(), requires_grad=False)
+    model.zero_grad(set_to_none=True)
+    eager = copy.deepcopy(model)
+    wrapped(x).sum().backward()
+    eager(x).sum().backward()
+    assert wrapped._grad_mask[1] == [False]
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+    assert model[0].weight.grad is None and model[1].weight.grad is not None

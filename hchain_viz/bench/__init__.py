@@ -9,6 +9,7 @@
 - ``compile``: compiled stages under the optimal schedule against torch.compile's activation_memory_budget.
 - ``transformers``: transformer chains at module and sub-layer granularity vs per-layer and selective recomputation.
 - ``offload``: remat-only vs remat+offload makespans at three links, in simulation (GPU-like times).
+- ``trainer``: an applied store-all schedule against the plain model in Hugging Face Trainer steps (GPT-2).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from ..core.schedule import Schedule
 
 BENCHMARKS = ("solver", "profile", "train", "widget", "models", "fit", "gpu", "compile", "transformers",
-              "offload")
+              "offload", "trainer")
 
 
 def print_table(head: Sequence[object], rows: Sequence[Sequence[object]], *, left: int = 0, rule: bool = False) -> None:

@@ -67,7 +67,7 @@ def cuda_devices(obj: Any) -> list[int]:
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage behind ``t``; None for meta tensors and layouts without one (sparse, nested)."""
-    if t.device.type == "meta":
+    if t.is_meta:  # (not t.device.type: a device object per call, on the executor's per-tensor path)
         return None
     try:
         return t.untyped_storage()
