@@ -296,8 +296,9 @@ def honest_measures(sub: Any, module: Any, grid: int = 24) -> dict[str, float]:
 
 def _measured_points(name: str, layers: int, seq: int, opts: Any) -> list[tuple]:
     """Issue 24's schedules run by the executor on the CPU (times as profiled: identical layers tied): the framework
-    baselines and the optimum at ``--grid`` budgets of the sub-layer chain, the optimum at the same budgets of the
-    module chain; measured peaks, then step times from ``--rounds`` interleaved rounds of all of them together.
+    baselines and the optimum at ``--grid`` budgets of the sub-layer chain (and at each baseline's predicted peak and
+    0.75x the least of them), the optimum at ``--grid`` budgets of the module chain; measured peaks, then step times
+    from ``--rounds`` interleaved rounds of all of them together.
     One row per schedule: (chain key, family or "optimal", predicted peak, measured peak, step-time samples)."""
     from ..core.simulate import peak_and_makespan
     from ..core.solver import solve
@@ -316,8 +317,14 @@ def _measured_points(name: str, layers: int, seq: int, opts: Any) -> list[tuple]
         lo, hi = sol.min_budget, sol.store_all_peak
         schedules = [("optimal", sol.schedule(lo + (hi - lo) * k // (opts.grid - 1))) for k in range(opts.grid)]
         if key == "sub":
-            schedules += [(family, s) for family, cands in _candidates(chain).items() if family in FRAMEWORK
-                          for _, _, _, s in cands]
+            framework = [(family, peak, s) for family, cands in _candidates(chain).items() if family in FRAMEWORK
+                         for peak, _, _, s in cands]
+            schedules += [(family, s) for family, _, s in framework]
+            # The optimum also at each baseline's peak and at 0.75x the least of them: the grid alone is coarse at
+            # the low budgets, where time changes fastest.
+            least_fw = min(peak for _, peak, _ in framework)
+            schedules += [("optimal", sol.schedule(b)) for b in {*(p for _, p, _ in framework), int(0.75 * least_fw)}
+                          if lo <= b]
         else:  # the module chain's store-all time: its overheads are taken over it
             schedules.append(("store_all", store_all(chain)))
         runs += [(key, family, s, wrap(seq_module, s), x, loss_fn) for family, s in schedules]
