@@ -296,7 +296,7 @@ def honest_measures(sub: Any, module: Any, grid: int = 24) -> dict[str, float]:
 
 def _measured_points(name: str, layers: int, seq: int, opts: Any) -> list[tuple]:
     """Issue 24's schedules run by the executor on the CPU (times as profiled: identical layers tied): the framework
-    baselines and the optimum at ``--grid`` budgets of the sub-layer chain (and at each baseline's predicted peak and
+    baselines and the optimum at ``--grid`` budgets of the sub-layer chain (and at each baseline's measured peak and
     0.75x the least of them), the optimum at ``--grid`` budgets of the module chain; measured peaks, then step times
     from ``--rounds`` interleaved rounds of all of them together.
     One row per schedule: (chain key, family or "optimal", predicted peak, measured peak, step-time samples)."""
@@ -307,32 +307,36 @@ def _measured_points(name: str, layers: int, seq: int, opts: Any) -> list[tuple]
     from ..runtime.wrap import wrap
     from .train import _interleaved_times
 
-    runs = []  # (chain key, family or "optimal", schedule, wrapped module, x, loss_fn)
+    runs = []  # (chain key, family or "optimal", schedule, wrapped module, x, loss_fn, measured peak)
     chains = {}
     for key, granularity in (("sub", "sublayer"), ("module", None)):
         chain, stages, x, loss_fn = _chain(name, layers, seq, granularity, opts, estimate=False)
         chains[key] = chain
         seq_module = nn.Sequential(*[m for _, m in stages])
+
+        def run(family: str, s: Any, key: str = key, x: Any = x, loss_fn: Any = loss_fn,
+                seq_module: nn.Module = seq_module) -> int:
+            m = wrap(seq_module, s)
+            peak = measure(m, x, loss_fn, repeats=1).peak_bytes
+            runs.append((key, family, s, m, x, loss_fn, peak))
+            return peak
+
         sol = solve(chain, slots=20000)  # one table for the whole grid: a slot is 1/20000 of store-all's peak
         lo, hi = sol.min_budget, sol.store_all_peak
-        schedules = [("optimal", sol.schedule(lo + (hi - lo) * k // (opts.grid - 1))) for k in range(opts.grid)]
+        budgets = {lo + (hi - lo) * k // (opts.grid - 1) for k in range(opts.grid)}
         if key == "sub":
-            framework = [(family, peak, s) for family, cands in _candidates(chain).items() if family in FRAMEWORK
-                         for peak, _, _, s in cands]
-            schedules += [(family, s) for family, _, s in framework]
-            # The optimum also at each baseline's peak and at 0.75x the least of them: the grid alone is coarse at
-            # the low budgets, where time changes fastest.
-            least_fw = min(peak for _, peak, _ in framework)
-            schedules += [("optimal", sol.schedule(b)) for b in {*(p for _, p, _ in framework), int(0.75 * least_fw)}
-                          if lo <= b]
+            # The optimum also at each baseline's measured peak and at 0.75x the least of them (its prediction
+            # bounds its measured peak, so it fits there): the grid alone is coarse at low budgets.
+            peaks = [run(family, s) for family, cands in _candidates(chain).items() if family in FRAMEWORK
+                     for *_, s in cands]
+            budgets |= {b for b in (*peaks, int(0.75 * min(peaks))) if lo <= b}
         else:  # the module chain's store-all time: its overheads are taken over it
-            schedules.append(("store_all", store_all(chain)))
-        runs += [(key, family, s, wrap(seq_module, s), x, loss_fn) for family, s in schedules]
-    peaks = [measure(m, x, loss_fn, repeats=1).peak_bytes for *_, m, x, loss_fn in runs]
+            run("store_all", store_all(chain))
+        for b in sorted(budgets):
+            run("optimal", sol.schedule(b))
     samples = _interleaved_times([r[3] for r in runs], runs[0][4], runs[0][5], opts.rounds, fresh_copy,
                                  samples=True)
-    return [(k, f, peak_and_makespan(chains[k], s)[0], p, sam)
-            for (k, f, s, _, _, _), p, sam in zip(runs, peaks, samples)]
+    return [(k, f, peak_and_makespan(chains[k], s)[0], p, sam) for (k, f, s, *_, p), sam in zip(runs, samples)]
 
 
 def measured_measures(runs: list[tuple], grid: int = 24) -> dict[str, float]:
