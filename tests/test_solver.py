@@ -417,7 +417,8 @@ def _tables(chain: hcv.Chain, slots: int, threads: int) -> tuple[np.ndarray, ...
 
 @pytest.mark.parametrize("L", [9, 37, 70])
 def test_kernel_tables_do_not_depend_on_the_thread_count(L):
-    """The fill splits each block of stages between threads: every split gives the same tables, bit for bit."""
+    """The fill's threads take whole blocks of stages, in whatever order they come free: every thread count gives the
+    same tables, bit for bit."""
     chain = hcv.Chain.random(L, seed=L, zero_fraction=0.2)
     one = _tables(chain, 120, 1)
     for threads in (2, 3, 8):

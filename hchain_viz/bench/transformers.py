@@ -44,11 +44,12 @@ layers (any n), Megatron block and uniform (any k). Per row:
   differ: their ratio is printed), and the ratio of their least budgets.
 
 ``--honest --measured``: the same measures from runs instead of the simulator. Every schedule (the sub-layer
-optimum at ``--grid`` budgets from its least to store-all, every framework baseline, the module optimum at the same
-budgets) is run by the executor on this CPU with times as profiled (identical layers tied): each point is its
-measured peak and median step time over ``--rounds`` interleaved rounds of all of them together, and the grid runs
-from the least measured peak of the optimum to store-all's. The noise columns: the median and largest spread of a
-schedule's step times (half the range over the median), and measured over predicted peaks.
+optimum at ``--grid`` budgets from its least to store-all, at each framework baseline's measured peak and at 0.75x
+the least of them; every framework baseline; the module optimum at ``--grid`` budgets of its own range) is run by
+the executor on this CPU with times as profiled (identical layers tied): each point is its measured peak and median
+step time over ``--rounds`` interleaved rounds of all of them together, and the grid runs from the least measured
+peak of the optimum to store-all's. The noise columns: the median and largest spread of a schedule's step times
+(half the range over the median), and measured over predicted peaks.
 
 ``--per-layer-check``: the same per-layer schedule on the module and the sub-layer chain of one model (``--models``,
 first entry; ``--seqs``, first entry): predicted and measured peaks of both (the LLaMA seq-1024 discrepancy).

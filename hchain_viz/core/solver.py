@@ -193,12 +193,12 @@ def _leaf(out, cho, right, left, f, j, ties):  # pragma: no cover - runs compile
             cho[k] = max(cho[k], jj * cho.dtype.type(better))
 
 
-def _leaves(C, Cch, U, F, G, SAT, x, xs, L, S1, ilo, i0, i1, j, l):  # noqa: E741  # pragma: no cover - runs compiled
-    """Leaf options with the checkpoint at ``j`` (beyond the block, its rows final) for the rows (i, l), i in
-    ``[i0, i1)`` of the block that starts at ``ilo``: strict <, so over j ascending the smallest j wins ties. The right
-    row C[j, l] is shared by these rows."""
+def _leaves(C, Cch, U, F, G, SAT, x, xs, L, S1, ilo, ihi, j, l):  # noqa: E741  # pragma: no cover - runs compiled
+    """Leaf options with the checkpoint at ``j`` (beyond the block, its rows final) for the rows (i, l) of the block
+    ``i in [ilo, ihi]``: strict <, so over j ascending the smallest j wins ties. The right row C[j, l] is shared by
+    these rows."""
     rj = _row(L, j, l)
-    for i in range(i0, i1):
+    for i in range(ilo, ihi + 1):
         xj = xs[i, j]
         lo = max(G[i, j] - x[j + 1] + x[l + 1], xj)
         hi = min(S1, SAT[i, l])
@@ -282,10 +282,10 @@ def _tile(x, xs, xbar, tr, fwd, bwd, C, Cch, G, LOC, SAT, F, U, ihi, la):  # pra
             _chain_time(U[l - la, i - ilo], sub, fwd[i] + bwd[i], xbar[i] - tr[i], min(LOC[i, l], S1))
     for j in range(ihi + 1, la + 1):  # checkpoints j <= la: their left rows C[i, j-1] are final for the whole tile
         for l in range(la, lb + 1):  # noqa: E741
-            _leaves(C, Cch, U[l - la], F, G, SAT, x, xs, L, S1, ilo, ilo, ihi + 1, j, l)
+            _leaves(C, Cch, U[l - la], F, G, SAT, x, xs, L, S1, ilo, ihi, j, l)
     for l in range(la, lb + 1):  # noqa: E741
         for j in range(la + 1, l + 1):  # left rows of the tile, final now
-            _leaves(C, Cch, U[l - la], F, G, SAT, x, xs, L, S1, ilo, ilo, ihi + 1, j, l)
+            _leaves(C, Cch, U[l - la], F, G, SAT, x, xs, L, S1, ilo, ihi, j, l)
         for i in range(ihi, ilo - 1, -1):
             _finish(C, Cch, U[l - la, i - ilo], F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, ilo, i, ihi, l,
                     keep)

@@ -594,7 +594,6 @@ class _LocalTensors:
     two modules share is listed twice; callers collect them into sets."""
 
     def __init__(self, module: nn.Module):
-        self.module = module
         self.owners = list(module.modules())
 
     def own_parameters(self) -> list[torch.Tensor]:
