@@ -165,7 +165,10 @@ def _trains_like_eager(model, x):
         model.zero_grad(set_to_none=True)
         predicted = hcv.simulate(chain, schedule).peak_memory
         measured = measure(hcv.wrap(seq, schedule), x, _loss, repeats=1).peak_bytes
-        assert 0.85 * predicted <= measured <= predicted, (budget, measured, predicted)
+        # Not far below: 0.8, not tighter. The simulator holds a stage's incoming gradient until its backward ends;
+        # autograd frees it after the stage's first backward op, so at a backward peak the measure sits below by
+        # about that gradient (12-15% here, depending on which schedule the run's timings pick).
+        assert 0.8 * predicted <= measured <= predicted, (budget, measured, predicted)
     assert recomputed > 0
     return chain, stages
 
