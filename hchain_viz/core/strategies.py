@@ -50,7 +50,7 @@ from .units import format_bytes, parse_bytes
 
 __all__ = [
     "store_all", "recompute_all", "periodic", "sqrt_n", "revolve", "chen_greedy", "best_periodic",
-    "per_layer", "selective", "layer_periodic", "best_layer_periodic",
+    "per_layer", "selective", "layer_periodic", "best_layer_periodic", "segments",
     "megatron_block", "megatron_uniform", "best_megatron_block", "best_megatron_uniform",
     "STRATEGIES", "applicable", "baseline_schedules", "frontier_points", "baseline_frontier", "pareto",
 ]
@@ -147,6 +147,21 @@ def layer_periodic(chain: Chain, segments: int) -> Schedule:
     size = len(units) // segments
     starts = tuple(units[u] for u in range(0, size * segments, size))
     return _segmented(chain, starts, {"strategy": "layer_periodic", "segments": segments})
+
+
+def segments(chain: Chain, starts: tuple[int, ...] | list[int]) -> Schedule:
+    """``checkpoint_sequential``'s pattern with its segments starting at the stages ``starts`` (the first 0).
+
+    What ``checkpoint_sequential(modules, n, x)`` over a coarser list of modules runs on a finer chain: each of its
+    segments starts at the first stage of the module that starts it (``hchain_viz.examples`` ships the starts of a
+    real model's top-level children with its chains).
+    """
+    starts = tuple(starts)
+    if (not starts or starts[0] != 0 or any(not isinstance(s, int) or isinstance(s, bool) for s in starts)
+            or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= chain.length):
+        raise HChainError(f"segment starts must be increasing stage indices from 0 below the chain's length "
+                          f"({chain.length}), got {list(starts)}")
+    return _segmented(chain, starts, {"strategy": "segments", "starts": list(starts)})
 
 
 def best_layer_periodic(chain: Chain, budget: Budget = None) -> Schedule:
