@@ -438,6 +438,23 @@ def test_frontier_marks_baseline_points_beyond_its_axes_on_the_edge():
     assert inside > 0 and len(beyond.x) < inside
 
 
+def test_frontier_caps_its_time_axis_at_max_overhead_and_marks_what_lies_above():
+    from hchain_viz import examples
+
+    chain = examples.load("densenet121-sublayer")  # its optimum costs over 30x store-all just above the least budget
+    solution = hcv.solve(chain)
+    T = chain.store_all_time
+    assert F.frontier(solution, strategies=False).layout.yaxis.range[1] > 10 * T  # uncapped: the cliff sets the axis
+    fig = F.frontier(solution, strategies=["recompute_all"], max_overhead=0.5)
+    assert fig.layout.yaxis.range[1] == pytest.approx(1.5 * T)
+    assert fig.layout.yaxis2.range[1] == pytest.approx(50.0)  # the overhead axis agrees with the time axis
+    beyond = next(t for t in fig.data if t.name == "beyond the axes")
+    assert any(s.startswith("recompute_all") for s in beyond.text)  # above the cap: drawn on the top edge
+    for bad in (0, -0.5, "50%", True):
+        with pytest.raises(HChainError, match="max_overhead"):
+            F.frontier(solution, strategies=False, max_overhead=bad)
+
+
 def test_memory_figure_leaves_no_zero_byte_label_at_the_origin():
     chain = hcv.Chain.random(6, seed=1)
     fig = F.memory_curve(hcv.simulate(chain, strategies.store_all(chain)))

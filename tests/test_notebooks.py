@@ -24,10 +24,11 @@ GUIDES = sorted((ROOT / "notebooks" / "guides").glob("*.ipynb"))
 NOTEBOOKS = COURSE + GUIDES
 
 
-def test_the_course_has_five_lessons_in_order_and_the_guides_three():
+def test_the_course_has_six_lessons_in_order_and_the_guides_three():
     assert [p.name for p in COURSE] == [
         "01_why_activations_fill_memory.ipynb", "02_what_recomputation_costs.ipynb",
-        "03_heterogeneous_chains.ipynb", "04_the_dynamic_program.ipynb", "05_beyond_the_chain_model.ipynb"]
+        "03_heterogeneous_chains.ipynb", "04_the_dynamic_program.ipynb", "05_beyond_the_chain_model.ipynb",
+        "06_a_real_densenet.ipynb"]
     assert [p.name for p in GUIDES] == ["explore_tradeoffs.ipynb", "export_and_train.ipynb", "will_it_fit.ipynb"]
     assert not list((ROOT / "notebooks").glob("*.ipynb"))  # nothing left loose beside the two folders
 

@@ -16,7 +16,7 @@ Numbers stay in bytes and seconds; axis ticks and hover text are formatted by :m
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -577,18 +577,29 @@ def frontier_layout(data: FrontierData, title: str | None = None) -> dict:
     return lay
 
 
-def frontier(solution: Any, strategies: Any = None, budget: int | None = None) -> go.Figure:
+def frontier(solution: Any, strategies: Any = None, budget: int | None = None, *,
+             max_overhead: float | None = None) -> go.Figure:
     """Makespan (left axis) and overhead over store-all (right axis) against the budget.
 
     ``solution`` is what :func:`hchain_viz.solve` returns (with ``offload=True`` the remat+offload curve is drawn
     with the remat-only optimum beside it); ``strategies`` picks the baselines drawn beside the
     optimal curve (None: all of ``core.strategies.frontier_points``; False: none; a list of names; or a mapping
-    name → [(peak_bytes, makespan)]). ``budget`` (bytes) is marked with a line.
+    name → [(peak_bytes, makespan)]). ``budget`` (bytes) is marked with a line. ``max_overhead`` (0.5: +50%) caps
+    the time axis at that overhead over store-all: just above the least budget a deep chain's optimum can cost many
+    times store-all (a cliff), which would flatten the rest of the curve.
     """
     for attr in ("frontier", "min_budget", "chain"):
         if not hasattr(solution, attr):
             raise HChainError(f"frontier() needs a Solution from hcv.solve(chain), got {type(solution).__name__}")
     data = FrontierData.of(solution, strategies)
+    if max_overhead is not None:
+        if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not max_overhead > 0:
+            raise HChainError(f"max_overhead is a positive fraction of the store-all time (0.5: +50%), got "
+                              f"{max_overhead!r}")
+        T = data.store_all_time
+        top, lo = T * (1 + max_overhead), min(T, float(data.makespans.min()))
+        if top < data.y_range[1]:  # padded below as FrontierData.of pads, by the capped range
+            data = replace(data, y_range=(lo - max(top - lo, T * 0.02) * 0.06, top))
     name = "optimal + offload" if hasattr(solution, "remat") else "optimal"
     return _units(go.Figure(data=frontier_traces(data, budget, chain_name=name), layout=frontier_layout(data)),
                   solution)
