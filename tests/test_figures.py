@@ -438,13 +438,22 @@ def test_frontier_marks_baseline_points_beyond_its_axes_on_the_edge():
     assert inside > 0 and len(beyond.x) < inside
 
 
-def test_frontier_caps_its_time_axis_at_max_overhead_and_marks_what_lies_above():
+def test_a_cliff_at_the_least_budget_goes_off_the_top_and_max_overhead_caps_the_axis():
     from hchain_viz import examples
 
     chain = examples.load("densenet121-sublayer")  # its optimum costs over 30x store-all just above the least budget
     solution = hcv.solve(chain)
     T = chain.store_all_time
-    assert F.frontier(solution, strategies=False).layout.yaxis.range[1] > 10 * T  # uncapped: the cliff sets the axis
+    least = solution.makespan(solution.min_budget)
+    assert least > 10 * T
+    fig = F.frontier(solution, strategies=False)
+    top = fig.layout.yaxis.range[1]
+    assert 1.2 * T < top < 3 * T  # the rest of the curve keeps the axis; the cliff is off the top ...
+    assert f"{hcv.format_time(least)}, off the top" in fig.layout.title.text  # ... and the title says what it costs
+    smooth = hcv.Chain.random(12, seed=8)  # no cliff: the least budget's time stays on the chart, no note
+    fig = F.frontier(hcv.solve(smooth), strategies=False)
+    assert fig.layout.yaxis.range[1] >= hcv.solve(smooth).makespan(hcv.solve(smooth).min_budget)
+    assert "off the top" not in fig.layout.title.text
     fig = F.frontier(solution, strategies=["recompute_all"], max_overhead=0.5)
     assert fig.layout.yaxis.range[1] == pytest.approx(1.5 * T)
     assert fig.layout.yaxis2.range[1] == pytest.approx(50.0)  # the overhead axis agrees with the time axis

@@ -447,8 +447,15 @@ class FrontierData:
         x_hi = max([hi_b] + [p for p in peaks if p <= hi_b + 2 * span]) + 0.04 * span
         x_lo = max(0.0, lo_b - 0.12 * span)
         T = chain.store_all_time
-        times = [float(makespans.max())] + [float(np.max(t)) for _, t in baselines.values() if len(t)]
-        y_hi = min(max(times), max(float(makespans.max()), T) * 1.6)  # far-off baselines must not flatten the curve
+        top = max(float(makespans.max()), T)
+        # A cliff: just above the least budget a deep chain's optimum can cost many times what it costs a little
+        # higher (only schedules that recompute most of the chain again and again fit). It goes off the top, and
+        # the title says what it costs, instead of flattening the rest of the curve.
+        near = max(float(makespans[np.searchsorted(budgets, lo_b + 0.05 * (hi_b - lo_b))]), T)
+        if top > 3 * near:
+            top = 1.3 * near
+        times = [top] + [float(np.max(t)) for _, t in baselines.values() if len(t)]
+        y_hi = min(max(times), top * 1.6)  # far-off baselines must not flatten the curve either
         y_lo = min(T, float(makespans.min()))
         pad = max(y_hi - y_lo, T * 0.02, 1e-12) * 0.06
         return cls(budgets, makespans, steps_b, steps_t, baselines, lo_b, hi_b, T, (x_lo, x_hi),
@@ -551,7 +558,10 @@ def frontier_layout(data: FrontierData, title: str | None = None) -> dict:
     """Layout of the frontier: budget axis in MiB/GiB, makespan on the left, overhead % on the right, the
     infeasible budgets (below the least feasible one) shaded."""
     T = data.store_all_time
-    lay = style.base_layout(title or f"Makespan vs memory budget (least feasible {format_bytes(data.min_budget)})")
+    least = f"least feasible {format_bytes(data.min_budget)}"
+    if data.makespans[0] > data.y_range[1]:  # the optimum's cliff at the least budget is off the top
+        least += f": {format_time(float(data.makespans[0]))}, off the top"
+    lay = style.base_layout(title or f"Makespan vs memory budget ({least})")
     x_lo, x_hi = data.x_range
     lay.update(
         xaxis=dict(style.byte_axis(x_lo, x_hi, ""), range=[x_lo, x_hi]),
