@@ -20,10 +20,11 @@ inception_v3``, batch 4 at 128-160 px) at ``module`` and ``sublayer`` granularit
 Pareto-efficient segment count n (measured peak, step time). At n's measured peak the optimum is solved on the
 granular chain; per granularity the table gives the stages, the least feasible budget (the solver's, and its ratio
 to module granularity's), and the mean gain over the Pareto-efficient n, measured (interleaved rounds, all
-granularities in the same rounds) and simulated (the optimum's predicted step time against checkpoint_sequential's
-on a profile of the user's chain). It also gives the least budget with every transient zero, store-all through the
-executor over eager in the same rounds, and, per row, the op of the least schedule that sets its least budget
-(what is resident before it and what it adds). ``docs/cnn.md`` has the table and what it shows.
+granularities in the same rounds; each gain the median over rounds of that round's ratio) and simulated (the
+optimum's predicted step time against checkpoint_sequential's on a profile of the user's chain). It also gives the
+least budget with every transient zero, store-all through the executor over eager in the same rounds, and, per row,
+the op of the least schedule that sets its least budget (what is resident before it and what it adds).
+``docs/cnn.md`` has the table and what it shows.
 """
 
 from __future__ import annotations
@@ -344,18 +345,25 @@ def _bench_cnn(name: str, opts: Any) -> list[tuple]:
     plain = [model] + [wrap(nn.Sequential(*[m for _, m in st]), store_all(entry[2]))
                        for st, entry in zip(stage_lists, per_g)]
     modules = list(ckpt) + [m for entry in per_g for m, _ in entry[4].values()] + plain
-    times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
-    eager_time, executor_times = times[-len(plain)], times[-len(plain) + 1:]
+    # every round's step times: a gain is read per round, from two steps timed seconds apart, then the median over
+    # rounds (a busy machine moves whole rounds; medians of each side alone mix rounds of different speed)
+    samples = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy, samples=True)
+    times = [statistics.median(t) for t in samples]
+
+    def paired(a: list[float], b: list[float]) -> float:
+        return statistics.median(p / q for p, q in zip(a, b))
+
+    eager_samples, executor_samples = samples[-len(plain)], samples[-len(plain) + 1:]
     for p in model.parameters():
         p.grad = None
     ckpt_times = times[:L]
     keep = pareto_efficient(list(zip(ckpt_peaks, ckpt_times)))
     offset, rows, floors = L, [], []
     module_least = per_g[0][3]
-    for (g, n_stages, chain, least, runs, ckpt_sim), executor_time in zip(per_g, executor_times):
+    for (g, n_stages, chain, least, runs, ckpt_sim), executor in zip(per_g, executor_samples):
         bare, why = _floor(chain)
         floors.append(f"{name} {g}: {why}")
-        opt_times = dict(zip(runs, times[offset: offset + len(runs)]))
+        opt_samples = dict(zip(runs, samples[offset: offset + len(runs)]))
         offset += len(runs)
         opt_peaks = {b: measure(m, x, loss_fn, repeats=1).peak_bytes for b, (m, _) in runs.items()}
         measured, simulated, ceiling, points = [], [], [], 0
@@ -368,7 +376,7 @@ def _bench_cnn(name: str, opts: Any) -> list[tuple]:
             if b not in runs:
                 continue  # below this chain's least budget: the optimum cannot run there
             assert opt_peaks[b] <= b, (name, g, n + 1)  # measured within the baseline's measured peak
-            measured.append(ckpt_times[n] / opt_times[b] - 1.0)
+            measured.append(paired(samples[n], opt_samples[b]) - 1.0)
             simulated.append(ckpt_sim[n] / runs[b][1] - 1.0)
             ceiling.append(ckpt_sim[n] / store_all_time - 1.0)
         mean = lambda v: statistics.mean(v) if v else float("nan")  # noqa: E731
@@ -377,7 +385,7 @@ def _bench_cnn(name: str, opts: Any) -> list[tuple]:
                      f"{_mib(bare)} ({module_least / bare:.2f}x)", f"{len(measured)}/{points}",
                      f"{100 * m_gain:+.1f}%", f"{100 * s_gain:+.1f}%",
                      f"{m_gain / s_gain:.2f}" if s_gain else "n/a", f"{100 * mean(ceiling):+.1f}%",
-                     f"{executor_time / eager_time:.2f}"))
+                     f"{paired(executor, eager_samples):.2f}"))
     return rows, floors
 
 
