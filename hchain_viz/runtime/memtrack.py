@@ -81,8 +81,7 @@ def transit_storages(inputs: list[torch.Tensor], candidates: list[bool], saved: 
     pointer: those of the tensors ``inputs[k]`` with ``candidates[k]`` (made by stage i-1 and not saved by its
     backward), that this stage's backward does not save either (``saved``: data pointers of what autograd saved) and
     that it does not hand on in ``outputs``. The profiler sums their bytes; the executor frees them after Fall(i)."""
-    needed = saved | _pointers(outputs)
-    return {ptr: st for ptr, st in _candidate_storages(inputs, candidates).items() if ptr not in needed}
+    return split_inputs(inputs, candidates, saved, pointers(outputs))[0]
 
 
 def consumed_storages(inputs: list[torch.Tensor], candidates: list[bool], saved: set[int],
@@ -90,35 +89,46 @@ def consumed_storages(inputs: list[torch.Tensor], candidates: list[bool], saved:
     """The storages of a stage input x_i that only this stage's backward needs (``chain.consumed``): candidates as
     in :func:`transit_storages` that this stage saves and does not hand on. The profiler sums their bytes; the
     executor frees them after B(i) when x_i is the output inside x̄_i."""
-    handed_on = _pointers(outputs)
-    return {ptr: st for ptr, st in _candidate_storages(inputs, candidates).items()
-            if ptr in saved and ptr not in handed_on}
+    return split_inputs(inputs, candidates, saved, pointers(outputs))[1]
+
+
+def split_inputs(inputs: list[torch.Tensor], candidates: list[bool], saved: set[int], handed_on: set[int]
+                 ) -> tuple[dict[int, torch.UntypedStorage], dict[int, torch.UntypedStorage]]:
+    """(:func:`transit_storages`, :func:`consumed_storages`) in one pass over the inputs, given the data pointers of
+    the outputs (the executor's per-stage path: a dense block's stages take every feature map so far)."""
+    transit: dict[int, torch.UntypedStorage] = {}
+    consumed: dict[int, torch.UntypedStorage] = {}
+    for ptr, st in _candidate_storages(inputs, candidates).items():
+        if ptr not in handed_on:
+            (consumed if ptr in saved else transit)[ptr] = st
+    return transit, consumed
 
 
 def _candidate_storages(inputs: list[torch.Tensor], candidates: list[bool]) -> dict[int, torch.UntypedStorage]:
     """The storages of the candidate input tensors, by data pointer, less any that a non-candidate also holds."""
     found: dict[int, torch.UntypedStorage] = {}
+    others: set[int] = set()
     for t, candidate in zip(inputs, candidates):
         st = storage_of(t)
-        if candidate and st is not None and st.nbytes():
+        if st is None:
+            continue
+        if not candidate:
+            others.add(st.data_ptr())
+        elif st.nbytes():
             found[st.data_ptr()] = st
-    for t, candidate in zip(inputs, candidates):
-        st = storage_of(t)
-        if not candidate and st is not None:
-            found.pop(st.data_ptr(), None)
-    return found
+    return {ptr: st for ptr, st in found.items() if ptr not in others}
 
 
-def _pointers(ts: list[torch.Tensor]) -> set[int]:
+def pointers(ts: Iterable[torch.Tensor]) -> set[int]:
+    """The data pointers of the storages behind ``ts``."""
     return {st.data_ptr() for t in ts if (st := storage_of(t)) is not None}
 
 
-def made_storages(inputs: list[torch.Tensor], outputs: list[torch.Tensor], module: torch.nn.Module) -> set[int]:
-    """Data pointers of the storages of ``outputs`` that the stage made: not its inputs' (handed on), nor its
-    parameters' or buffers' (never transit)."""
-    kept = {st.data_ptr() for t in [*inputs, *module.parameters(), *module.buffers()]
-            if (st := storage_of(t)) is not None}
-    return {st.data_ptr() for t in outputs if (st := storage_of(t)) is not None and st.data_ptr() not in kept}
+def made_storages(input_ptrs: set[int], output_ptrs: set[int], module: torch.nn.Module) -> set[int]:
+    """Data pointers of the storages of the outputs (``output_ptrs``) that the stage made: not its inputs' (handed
+    on), nor its parameters' or buffers' (never transit)."""
+    made = output_ptrs - input_ptrs
+    return made - pointers([*module.parameters(), *module.buffers()]) if made else made
 
 
 def backward_handing_over(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

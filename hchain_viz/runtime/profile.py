@@ -71,6 +71,7 @@ from .memtrack import (
     made_storages,
     map_tensors,
     nbytes,
+    pointers,
     storage_of,
     storages,
     tensors,
@@ -451,7 +452,7 @@ class _StageProfile:
             only_here = consumed_storages(ins, self.candidates_in, saved_ptrs, outs)
             self.consumed_in = sum(st.nbytes() for st in only_here.values())
             # Which output tensors the next stage's transit may hold: made here, not saved for this backward.
-            made = made_storages(ins, outs, self.module) - saved_ptrs
+            made = made_storages(pointers(ins), pointers(outs), self.module) - saved_ptrs
             self.candidates_out = [(st := storage_of(t)) is not None and st.data_ptr() in made for t in outs]
             # A tensor made two stages back that only this backward needs (chain.consumed_shared: v handed on beside
             # the attention probabilities); and those this stage hands on to the next one unsaved.

@@ -35,12 +35,12 @@ from ..errors import HChainError, InvalidSchedule, NotSequentialError
 from .compiled import check_not_compiled, compile_options, compile_stage, describe
 from .memtrack import (
     backward_handing_over,
-    consumed_storages,
     cuda_devices,
     flatten,
     made_storages,
+    pointers,
+    split_inputs,
     storage_of,
-    transit_storages,
     unflatten,
 )
 from .stages import buffer_snapshot, sequentialize
@@ -362,8 +362,10 @@ class _Step:
                 del feed
                 self._learn_mutation(i, leaves, versions)
                 self.xbar[i] = (leaves, out)
-            self._note_made(i, flat, out)
-            self._free_transit(i, flat, out, in_xbar, joined)
+            outs = flatten(out)[0]
+            in_keys, out_keys = [storage_key(t) for t in flat], pointers(outs)
+            self._note_made(i, in_keys, out_keys)
+            self._free_transit(i, flat, in_keys, out_keys, in_xbar, joined)
             return
         # NOTE [in-place inputs]: Fck keeps x_i for a later forward of stage i. A stage seen writing into its input
         # runs on a copy, so the kept checkpoint is never corrupted; so does a stage not seen yet (the first step
@@ -376,7 +378,7 @@ class _Step:
             out = self._call(stage, feed, i, role)
         self._learn_mutation(i, fed, versions)
         del feed, fed
-        self._note_made(i, flat, out)
+        self._note_made(i, [storage_key(t) for t in flat], pointers(flatten(out)[0]))
         if kind == "Fn":
             # NOTE [memory model]: Fn frees its input x_i right after the op (DESIGN §3).
             del self.x[i]
@@ -400,12 +402,14 @@ class _Step:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
-    def _note_made(self, i: int, inputs: list[torch.Tensor], out: Any) -> None:
+    def _note_made(self, i: int, in_keys: list[int | None], out_keys: set[int]) -> None:
         """Remember which storages of x_{i+1} the forward of stage i made (not handed on from its input)."""
         if self.link is None and i + 1 < self.L:
-            self.made[i + 1] = made_storages(inputs, flatten(out)[0], self.m._stage_tensors[i])
+            self.made[i + 1] = made_storages(set(in_keys), out_keys, self.m._stage_tensors[i])
 
-    def _free_transit(self, i: int, inputs: list[torch.Tensor], out: Any, in_xbar: bool, joined: bool) -> None:
+    def _free_transit(self, i: int, inputs: list[torch.Tensor], in_keys: list[int | None], out_keys: set[int],
+                      in_xbar: bool, joined: bool) -> None:
+        """``in_keys``: the storage keys of ``inputs``; ``out_keys``: those of the stage's output."""
         # NOTE [memory model]: after Fall(i), the part of x_i that no backward needs is freed (chain.transit, DESIGN
         # §3 as amended): storages stage i-1 made that neither its graph (when x_i is inside x̄_i) nor stage i's
         # saved and that stage i does not hand on. Eager autograd frees them here too; we hold them in x̄_i or in a
@@ -416,17 +420,17 @@ class _Step:
         if self.link is not None or i == 0 or i not in self.made:
             return
         if in_xbar:
-            self._note_eaten(i, inputs, out, joined)
+            self._note_eaten(i, in_keys, out_keys, joined)
         before = self.saved.get(i - 1, set()) if in_xbar else set()  # what B(i-1) needs of x_i
-        candidates = [(key := storage_key(t)) in self.made[i] and key not in before for t in inputs]
-        outs = flatten(out)[0]
-        for st in transit_storages(inputs, candidates, self.saved[i], outs).values():
+        candidates = [key in self.made[i] and key not in before for key in in_keys]
+        transit, consumed = split_inputs(inputs, candidates, self.saved[i], out_keys)
+        for st in transit.values():
             st.resize_(0)
         # NOTE [memory model]: the part of x_i that only B(i) needs goes after B(i) (chain.consumed), when x_i is the
         # output inside x̄_i: held there until B(i-1), it is released in place by _backward_op. A joined stage needs
         # nothing: its input is no tensor of ours, and autograd frees it once B(i) is done with it, as in eager mode.
         if in_xbar and not joined:
-            self.consumed[i] = set(consumed_storages(inputs, candidates, self.saved[i], outs))
+            self.consumed[i] = set(consumed)
 
     def _backward_op(self, i: int) -> None:
         # NOTE [memory model]: B(i) frees δ_{i+1}, x̄_{i+1} (the graph and output of Fall(i)) and, when x_i is a plain
@@ -467,7 +471,7 @@ class _Step:
         if keys:  # wherever they are held (x̄_{i-1}'s output, x̄_{i-2}'s, a checkpoint x_{i-1}): all made before
             _free_storages([*self.x.values(), *(v[1] for v in self.xbar.values() if v is not _SPENT)], keys)
 
-    def _note_eaten(self, i: int, inputs: list[torch.Tensor], out: Any, joined: bool) -> None:
+    def _note_eaten(self, i: int, in_keys: list[int | None], out_keys: set[int], joined: bool) -> None:
         """At Fall(i), x_i inside x̄_i: note the input tensors that stage i-2 made, stages i-2 and i-1 did not save
         (x_{i-1} inside x̄_{i-1}: Fall(i-2) ran in this step; a plain checkpoint x_{i-1} has no graph), stage i-1
         handed on, and stage i saves and does not hand on (chain.consumed_shared, DESIGN §8): B(i) frees them. When
@@ -479,8 +483,7 @@ class _Step:
         # what B(i-2) saved, from this x_{i-1}'s own Fall(i-2) only (an older one's addresses may be reused)
         before = self.saved[i - 2] if i - 1 not in self.x else set()
         passed = self.made[i - 1] - self.made[i] - self.saved[i - 1] - before
-        keys = {key for t in inputs if (key := storage_key(t)) in passed and key in self.saved[i]}
-        keys -= {storage_key(t) for t in flatten(out)[0]}
+        keys = {key for key in in_keys if key in passed and key in self.saved[i]} - out_keys
         if not keys:
             return
         self.eaten[i] = keys
