@@ -16,7 +16,7 @@ Numbers stay in bytes and seconds; axis ticks and hover text are formatted by :m
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -423,7 +423,13 @@ class FrontierData:
         return float(self.steps_t[k]) if k >= 0 else float("inf")
 
     @classmethod
-    def of(cls, solution: Any, strategies: Any = None, n_dense: int = 400) -> FrontierData:
+    def of(cls, solution: Any, strategies: Any = None, n_dense: int = 400,
+           max_overhead: float | None = None) -> FrontierData:
+        """``max_overhead``: see :func:`frontier`."""
+        if max_overhead is not None and (isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float))
+                                         or not max_overhead > 0):
+            raise HChainError(f"max_overhead is a positive fraction of the store-all time (0.5: +50%), got "
+                              f"{max_overhead!r}")
         pts = sorted((int(b), float(t)) for b, t in solution.frontier() if np.isfinite(t))
         if not pts:
             raise HChainError("the solution has no feasible budget; solve with a larger max_budget")
@@ -457,9 +463,15 @@ class FrontierData:
         times = [top] + [float(np.max(t)) for _, t in baselines.values() if len(t)]
         y_hi = min(max(times), top * 1.6)  # far-off baselines must not flatten the curve either
         y_lo = min(T, float(makespans.min()))
-        pad = max(y_hi - y_lo, T * 0.02, 1e-12) * 0.06
-        return cls(budgets, makespans, steps_b, steps_t, baselines, lo_b, hi_b, T, (x_lo, x_hi),
-                   (y_lo - pad, y_hi + pad))
+
+        def pad(hi: float) -> float:
+            return max(hi - y_lo, T * 0.02, 1e-12) * 0.06
+
+        y_range = (y_lo - pad(y_hi), y_hi + pad(y_hi))
+        cap = None if max_overhead is None else T * (1 + max_overhead)
+        if cap is not None and cap < y_range[1]:
+            y_range = (y_lo - pad(cap), cap)
+        return cls(budgets, makespans, steps_b, steps_t, baselines, lo_b, hi_b, T, (x_lo, x_hi), y_range)
 
 
 def _baseline_points(chain: Any, strategies: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -601,15 +613,7 @@ def frontier(solution: Any, strategies: Any = None, budget: int | None = None, *
     for attr in ("frontier", "min_budget", "chain"):
         if not hasattr(solution, attr):
             raise HChainError(f"frontier() needs a Solution from hcv.solve(chain), got {type(solution).__name__}")
-    data = FrontierData.of(solution, strategies)
-    if max_overhead is not None:
-        if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not max_overhead > 0:
-            raise HChainError(f"max_overhead is a positive fraction of the store-all time (0.5: +50%), got "
-                              f"{max_overhead!r}")
-        T = data.store_all_time
-        top, lo = T * (1 + max_overhead), min(T, float(data.makespans.min()))
-        if top < data.y_range[1]:  # padded below as FrontierData.of pads, by the capped range
-            data = replace(data, y_range=(lo - max(top - lo, T * 0.02) * 0.06, top))
+    data = FrontierData.of(solution, strategies, max_overhead=max_overhead)
     name = "optimal + offload" if hasattr(solution, "remat") else "optimal"
     return _units(go.Figure(data=frontier_traces(data, budget, chain_name=name), layout=frontier_layout(data)),
                   solution)
