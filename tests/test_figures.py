@@ -449,11 +449,12 @@ def test_a_cliff_at_the_least_budget_goes_off_the_top_and_max_overhead_caps_the_
     fig = F.frontier(solution, strategies=False)
     top = fig.layout.yaxis.range[1]
     assert 1.2 * T < top < 3 * T  # the rest of the curve keeps the axis; the cliff is off the top ...
-    assert f"{hcv.format_time(least)}, off the top" in fig.layout.title.text  # ... and the title says what it costs
+    notes = [a.text for a in fig.layout.annotations]
+    assert f"↑ {hcv.format_time(least)} at the least budget, off the top" in notes  # ... and a note says its cost
     smooth = hcv.Chain.random(12, seed=8)  # no cliff: the least budget's time stays on the chart, no note
     fig = F.frontier(hcv.solve(smooth), strategies=False)
     assert fig.layout.yaxis.range[1] >= hcv.solve(smooth).makespan(hcv.solve(smooth).min_budget)
-    assert "off the top" not in fig.layout.title.text
+    assert not any("off the top" in a.text for a in fig.layout.annotations)
     fig = F.frontier(solution, strategies=["recompute_all"], max_overhead=0.5)
     assert fig.layout.yaxis.range[1] == pytest.approx(1.5 * T)
     assert fig.layout.yaxis2.range[1] == pytest.approx(50.0)  # the overhead axis agrees with the time axis

@@ -455,8 +455,8 @@ class FrontierData:
         T = chain.store_all_time
         top = max(float(makespans.max()), T)
         # A cliff: just above the least budget a deep chain's optimum can cost many times what it costs a little
-        # higher (only schedules that recompute most of the chain again and again fit). It goes off the top, and
-        # the title says what it costs, instead of flattening the rest of the curve.
+        # higher (only schedules that recompute most of the chain again and again fit). It goes off the top, and a note
+        # says what it costs, instead of flattening the rest of the curve.
         near = max(float(makespans[np.searchsorted(budgets, lo_b + 0.05 * (hi_b - lo_b))]), T)
         if top > 3 * near:
             top = 1.3 * near
@@ -570,10 +570,7 @@ def frontier_layout(data: FrontierData, title: str | None = None) -> dict:
     """Layout of the frontier: budget axis in MiB/GiB, makespan on the left, overhead % on the right, the
     infeasible budgets (below the least feasible one) shaded."""
     T = data.store_all_time
-    least = f"least feasible {format_bytes(data.min_budget)}"
-    if data.makespans[0] > data.y_range[1]:  # the optimum's cliff at the least budget is off the top
-        least += f": {format_time(float(data.makespans[0]))}, off the top"
-    lay = style.base_layout(title or f"Makespan vs memory budget ({least})")
+    lay = style.base_layout(title or f"Makespan vs memory budget (least feasible {format_bytes(data.min_budget)})")
     x_lo, x_hi = data.x_range
     lay.update(
         xaxis=dict(style.byte_axis(x_lo, x_hi, ""), range=[x_lo, x_hi]),
@@ -587,6 +584,11 @@ def frontier_layout(data: FrontierData, title: str | None = None) -> dict:
         annotations=[dict(x=(x_lo + data.min_budget) / 2, y=0.5, xref="x", yref="paper", text="infeasible",
                           showarrow=False, textangle=-90, font=dict(color="#555"))],
     )
+    if data.makespans[0] > data.y_range[1]:  # the optimum's cliff at the least budget is off the top: say its cost
+        lay["annotations"].append(dict(
+            x=data.min_budget, y=1, xref="x", yref="paper", xanchor="left", yanchor="top", showarrow=False,
+            text=f"↑ {format_time(float(data.makespans[0]))} at the least budget, off the top",
+            font=dict(size=10, color="#555")))
     if T > 0:
         lo, hi = (100 * (y / T - 1) for y in data.y_range)
         # round percentages, none below 0% (nothing is faster than store-all); plotly's own choice for an overlaying
