@@ -362,10 +362,10 @@ class _Step:
                 del feed
                 self._learn_mutation(i, leaves, versions)
                 self.xbar[i] = (leaves, out)
-            outs = flatten(out)[0]
-            in_keys, out_keys = [storage_key(t) for t in flat], pointers(outs)
-            self._note_made(i, in_keys, out_keys)
-            self._free_transit(i, flat, in_keys, out_keys, in_xbar, joined)
+            if self.link is None:  # with transfers, no storage is noted (see _packing)
+                in_keys, out_keys = [storage_key(t) for t in flat], pointers(flatten(out)[0])
+                self._note_made(i, in_keys, out_keys)
+                self._free_transit(i, flat, in_keys, out_keys, in_xbar, joined)
             return
         # NOTE [in-place inputs]: Fck keeps x_i for a later forward of stage i. A stage seen writing into its input
         # runs on a copy, so the kept checkpoint is never corrupted; so does a stage not seen yet (the first step
@@ -378,7 +378,8 @@ class _Step:
             out = self._call(stage, feed, i, role)
         self._learn_mutation(i, fed, versions)
         del feed, fed
-        self._note_made(i, [storage_key(t) for t in flat], pointers(flatten(out)[0]))
+        if self.link is None:
+            self._note_made(i, [storage_key(t) for t in flat], pointers(flatten(out)[0]))
         if kind == "Fn":
             # NOTE [memory model]: Fn frees its input x_i right after the op (DESIGN §3).
             del self.x[i]
@@ -404,7 +405,7 @@ class _Step:
 
     def _note_made(self, i: int, in_keys: list[int | None], out_keys: set[int]) -> None:
         """Remember which storages of x_{i+1} the forward of stage i made (not handed on from its input)."""
-        if self.link is None and i + 1 < self.L:
+        if i + 1 < self.L:
             self.made[i + 1] = made_storages(set(in_keys), out_keys, self.m._stage_tensors[i])
 
     def _free_transit(self, i: int, inputs: list[torch.Tensor], in_keys: list[int | None], out_keys: set[int],
@@ -417,7 +418,7 @@ class _Step:
         # of stage i cannot run again before B(i)). The tensors stay, for their shapes (δ_i matches them).
         self.consumed.pop(i, None)  # only this Fall's input counts (an earlier one's was recomputed)
         self.eaten.pop(i, None)
-        if self.link is not None or i == 0 or i not in self.made:
+        if i == 0 or i not in self.made:
             return
         if in_xbar:
             self._note_eaten(i, in_keys, out_keys, joined)
