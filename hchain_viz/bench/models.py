@@ -224,14 +224,15 @@ def _run_cnn(opts: Any) -> None:
     head = ("model", "input", "granularity", "stages", "least budget", "vs module", "least, no transients",
             "ckpt_seq Pareto n", "measured gain", "simulated gain", "measured / simulated", "ceiling (store-all)",
             "store-all: executor / eager")
-    rows, floors = [], []
+    rows, floors, points = [], [], []
     for name in (n.strip() for n in opts.cnn_models.split(",") if n.strip()):
         if name not in CNN:
             raise SystemExit(f"unknown CNN {name!r}; choose from {', '.join(CNN)}")
         try:
-            got, why = _bench_cnn(name, opts)
+            got, (why, per_point) = _bench_cnn(name, opts)
             rows += got
             floors += why
+            points += per_point
         except _Unavailable as exc:
             rows.append((name, "", f"skipped: {exc}", *[""] * (len(head) - 3)))
     print()
@@ -239,6 +240,10 @@ def _run_cnn(opts: Any) -> None:
     print("\nWhat sets each least budget (the simulated peak of the least schedule: the op, what is resident "
           "before it, and what the op adds):")
     for line in floors:
+        print("  " + line)
+    print("\nPer point (checkpoint_sequential's n and measured peak): simulated gain, measured gain as the median over "
+          "rounds [least, most]:")
+    for line in points:
         print("  " + line)
 
 
@@ -285,7 +290,9 @@ def _user_stages(name: str, model: nn.Module) -> list[tuple[str, nn.Module]]:
     return _fuse_marked(stages, [_declares_inplace(m) for _, m in stages])
 
 
-def _bench_cnn(name: str, opts: Any) -> list[tuple]:
+def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list[str]]]:
+    """The table's rows for one model (one per granularity), and its lines: what sets each least budget, and each
+    point's gains."""
     from ..core.simulate import simulate
     from ..core.strategies import _segmented, store_all
     from ..runtime.measure import fresh_copy, measure
@@ -358,7 +365,7 @@ def _bench_cnn(name: str, opts: Any) -> list[tuple]:
         p.grad = None
     ckpt_times = times[:L]
     keep = pareto_efficient(list(zip(ckpt_peaks, ckpt_times)))
-    offset, rows, floors = L, [], []
+    offset, rows, floors, lines = L, [], [], []
     module_least = per_g[0][3]
     for (g, n_stages, chain, least, runs, ckpt_sim), executor in zip(per_g, executor_samples):
         bare, why = _floor(chain)
@@ -378,6 +385,9 @@ def _bench_cnn(name: str, opts: Any) -> list[tuple]:
             assert opt_peaks[b] <= b, (name, g, n + 1)  # measured within the baseline's measured peak
             measured.append(paired(samples[n], opt_samples[b]) - 1.0)
             simulated.append(ckpt_sim[n] / runs[b][1] - 1.0)
+            per_round = [p / q - 1.0 for p, q in zip(samples[n], opt_samples[b])]
+            lines.append(f"{name} {g} n={n + 1} at {_mib(b)}: simulated {100 * simulated[-1]:+.1f}%, measured "
+                         f"{100 * measured[-1]:+.1f}% [{100 * min(per_round):+.1f}%, {100 * max(per_round):+.1f}%]")
             ceiling.append(ckpt_sim[n] / store_all_time - 1.0)
         mean = lambda v: statistics.mean(v) if v else float("nan")  # noqa: E731
         m_gain, s_gain = mean(measured), mean(simulated)
@@ -386,7 +396,7 @@ def _bench_cnn(name: str, opts: Any) -> list[tuple]:
                      f"{100 * m_gain:+.1f}%", f"{100 * s_gain:+.1f}%",
                      f"{m_gain / s_gain:.2f}" if s_gain else "n/a", f"{100 * mean(ceiling):+.1f}%",
                      f"{paired(executor, eager_samples):.2f}"))
-    return rows, floors
+    return rows, (floors, lines)
 
 
 def _starts(user: list[tuple[str, nn.Module]], names: tuple[str, ...], segments: int) -> tuple[int, ...]:
