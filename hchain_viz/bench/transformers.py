@@ -298,18 +298,19 @@ def honest_measures(sub: Any, module: Any, grid: int = 24) -> dict[str, float]:
 
 
 def _optimum(chain: Any) -> Callable[[int], float]:
-    """The optimum's simulated time within a budget, as the library answers for that budget alone (``optimal_at``:
-    solved at the budget's own resolution, never behind a baseline that fits); inf where nothing fits. One table
-    over the whole range instead (4000 slots) rounds sizes up by up to a slot each, which cost up to 2 points at
-    low budgets (LLaMA, 8 layers, seq 256, at 0.75x of the least framework peak: +8.2% slower against +6.3%)."""
+    """The optimum's simulated time within a budget, as the library answers for that budget alone
+    (``hcv.optimal_schedule``: solved at the finest resolution that costs about a second, never behind a baseline
+    that fits); inf where nothing fits. One table over the whole range instead (4000 slots) rounds sizes up by up to
+    a slot each, which cost up to 2 points at low budgets (LLaMA, 8 layers, seq 256, at 0.75x of the least framework
+    peak: +8.2% slower against +6.3%)."""
     from ..core.simulate import simulate
+    from ..core.solver import optimal_schedule
     from ..errors import InfeasibleBudget
-    from . import optimal_at
 
     @functools.cache
     def time_within(budget: int) -> float:
         try:
-            return simulate(chain, optimal_at(chain, budget)).makespan
+            return simulate(chain, optimal_schedule(chain, budget)).makespan
         except InfeasibleBudget:
             return float("inf")
 
