@@ -31,7 +31,8 @@ interleaved rounds (a warm-up round first, shuffled order each round).
 sizes measured) on GPT-2 and LLaMA at sub-layer and module granularity, ``--layers`` (default 4,8) and ``--seqs``
 (default 256,1024), hidden ``--hidden`` (use 256), over a grid of ``--grid`` (default 24) budgets from the least
 feasible to store-all. Framework baselines: store-all, per-layer (HF on), selective, ``checkpoint_sequential`` over
-layers (any n), Megatron block and uniform (any k). Per row:
+layers (any n), Megatron block and uniform (any k). The optimum at each budget is ``hcv.optimal_schedule``'s answer
+for that budget alone. Per row:
 
 - reach: the least feasible budget over the least any framework baseline needs; and at 0.75x of that least, how much
   slower the optimum is than that least-memory baseline;
