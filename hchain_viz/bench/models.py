@@ -383,9 +383,9 @@ def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list
             if b not in runs:
                 continue  # below this chain's least budget: the optimum cannot run there
             assert opt_peaks[b] <= b, (name, g, n + 1)  # measured within the baseline's measured peak
-            measured.append(paired(samples[n], opt_samples[b]) - 1.0)
-            simulated.append(ckpt_sim[n] / runs[b][1] - 1.0)
             per_round = [p / q - 1.0 for p, q in zip(samples[n], opt_samples[b])]
+            measured.append(statistics.median(per_round))
+            simulated.append(ckpt_sim[n] / runs[b][1] - 1.0)
             lines.append(f"{name} {g} n={n + 1} at {_mib(b)}: simulated {100 * simulated[-1]:+.1f}%, measured "
                          f"{100 * measured[-1]:+.1f}% [{100 * min(per_round):+.1f}%, {100 * max(per_round):+.1f}%]")
             ceiling.append(ckpt_sim[n] / store_all_time - 1.0)
