@@ -393,17 +393,22 @@ def _train_step_matches(model, x, loss_fn, seed=11, granularity=None):
     assert schedule.n_recomputed > 0
     twin = copy.deepcopy(model)
     wrapped = hcv.wrap(model, schedule)
-    torch.manual_seed(seed)
-    loss_fn(wrapped(x)).backward()
-    torch.manual_seed(seed)
-    # The eager reference runs as HF's gradient checkpointing does, with the KV cache off: with it on, eager attention
-    # reads contiguous copies of keys and values from the cache, and where BLAS rounding depends on layout (AVX-512)
-    # the last bits of the gradients differ from the cache-free step.
-    loss_fn(twin(**_without_cache(twin, x)) if isinstance(x, dict) else twin(*x) if isinstance(x, tuple)
-            else twin(x)).backward()
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        # (a parameter eager leaves without a gradient, such as Marian's sinusoidal positions, gets none either)
-        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+    # Three steps: the executor learns in the second what each stage frees, and reads it in the third.
+    for step in range(3):
+        torch.manual_seed(seed + step)
+        loss_fn(wrapped(x)).backward()
+        torch.manual_seed(seed + step)
+        # The eager reference runs as HF's gradient checkpointing does, with the KV cache off: with it on, eager
+        # attention reads contiguous copies of keys and values from the cache, and where BLAS rounding depends on
+        # layout (AVX-512) the last bits of the gradients differ from the cache-free step.
+        loss_fn(twin(**_without_cache(twin, x)) if isinstance(x, dict) else twin(*x) if isinstance(x, tuple)
+                else twin(x)).backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            # (a parameter eager leaves without a gradient, such as Marian's sinusoidal positions, gets none either)
+            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), (step, name)
+        model.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+    assert wrapped._frees is not None
     return chain
 
 

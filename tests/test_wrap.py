@@ -430,8 +430,8 @@ def test_checkpoint_storage_is_freed_right_after_its_backward(monkeypatch, sname
     fwd, bwd = wrap_module._Step._forward_op, wrap_module._Step._backward_op
     alive_after_b = {}
 
-    def record_f(self, kind, i, role, joined, *, in_backward):
-        fwd(self, kind, i, role, joined, in_backward=in_backward)
+    def record_f(self, n, kind, i, role, joined, *, in_backward):
+        fwd(self, n, kind, i, role, joined, in_backward=in_backward)
         if kind == "Fall" and (in_backward or i < L - 1):  # the first x_L is the caller's to hold
             refs.setdefault(("xbar", i), []).append(weakref.ref(self.xbar[i][1].untyped_storage()))
         elif kind != "Fall" and i + 1 < L:

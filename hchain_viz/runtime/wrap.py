@@ -20,9 +20,9 @@ model; ``state_dict()`` has the plain model's keys.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -116,6 +116,10 @@ class ScheduledModule(nn.Module):
         self._draws: list[bool | None] = [None] * self.length
         self._grad_mask: list[list[bool] | None] = [None] * (self.length + 1)
         self._grad_mask_for: tuple[bool, ...] | None = None  # the parameters' requires_grad it was learned for
+        # What each Fall frees of its input, as positions in its flattened input (see _Frees), learned in one step
+        # for the setting in _frees_for (grad mask, autocast); None: learn it in the next step.
+        self._frees: dict[int, _Frees] | None = None
+        self._frees_for: Any = None
         try:
             stages = sequentialize(model)
         except NotSequentialError:
@@ -137,6 +141,7 @@ class ScheduledModule(nn.Module):
         self._stage_modules = [m for _, m in stages]
         self._stage_tensors = [_LocalTensors(m) for m in self._stage_modules]
         self._grad_mask_for = None  # new stages: learn which cut tensors need a gradient again
+        self._frees = None
         params = [{id(p) for p in m.parameters() if p.requires_grad} for m in self._stage_modules]
         self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length, self._events,
                                                                             params)
@@ -271,25 +276,43 @@ class _Step:
         self.autocast_cache = torch.is_autocast_cache_enabled()
         # The transfer channel (Off/Pre, DESIGN §9): only for schedules that have transfers.
         self.link = Link(self.devices[0] if self.devices else None) if module.schedule.n_transfers else None
+        # Which input tensors each Fall frees depends on what the stages save, fixed by their code, the cuts'
+        # structure and the setting. Noting every saved tensor (saved-tensor hooks, see _packing) costs about 9 ms a
+        # step on densenet121 at sub-layer granularity, so it is learned in one step (``learned``), by position in
+        # the flattened input, and read in the later ones (``frees``). Not in the first step: a stage not seen yet
+        # runs Fck on a copy of its input (NOTE [in-place inputs]), so what it hands on looks made by it. Storages
+        # are still noted as made each step: only what the stage before made is ever freed. With transfers,
+        # nothing is noted.
+        self.setting = (module._grad_mask_for, tuple(self.autocast),
+                        tuple((t.shape, t.dtype, t.requires_grad) for t in flatten(x0)[0]))
+        noting = self.link is None
+        known = noting and module._frees is not None and module._frees_for == self.setting
+        self.frees: dict[int, _Frees] | None = module._frees if known else None
+        self.learned: dict[int, _Frees] | None = (
+            {} if noting and not known and None not in module._mutates else None)
+        self.hooks = noting and not known  # note what each Fall saves (see _packing)
 
     # ------------------------------------------------------------------ phases
     def run_forward(self) -> None:
-        for kind, i, role, joined in self.m._forward_ops:
+        for n, (kind, i, role, joined) in enumerate(self.m._forward_ops):
             if kind in ("Off", "Pre"):
                 self._transfer(kind, i)
             else:
-                self._forward_op(kind, i, role, joined, in_backward=False)
+                self._forward_op(n, kind, i, role, joined, in_backward=False)
 
     def run_backward(self) -> list[torch.Tensor | None]:
         if self.L not in self.delta:
             raise HChainError("the wrapped model's backward ran twice for one forward; call the model again first")
-        for kind, i, role, joined in self.m._backward_ops:
+        first = len(self.m._forward_ops)
+        for n, (kind, i, role, joined) in enumerate(self.m._backward_ops, first):
             if kind in ("Off", "Pre"):
                 self._transfer(kind, i)
             elif kind == "B":
                 self._backward_op(i)
             else:
-                self._forward_op(kind, i, role, joined, in_backward=True)
+                self._forward_op(n, kind, i, role, joined, in_backward=True)
+        if self.learned is not None:  # a whole step: what each Fall frees is known for this setting
+            self.m._frees, self.m._frees_for = self.learned, self.setting
         return self.delta.pop(0)
 
     def take_output(self) -> list[torch.Tensor]:
@@ -333,7 +356,8 @@ class _Step:
             holders += [box_holder(b) for b in self.link.boxes.get(i + 1, []) if storage_key(b.t) in moved]
         return holders
 
-    def _forward_op(self, kind: str, i: int, role: int, joined: bool, *, in_backward: bool) -> None:
+    def _forward_op(self, n: int, kind: str, i: int, role: int, joined: bool, *, in_backward: bool) -> None:
+        """Forward op number ``n`` of the step (its place in the schedule, before or after Loss)."""
         m = self.m
         stage = m._runners[i]
         if self.link is not None:
@@ -365,7 +389,12 @@ class _Step:
             if self.link is None:  # with transfers, no storage is noted (see _packing)
                 in_keys, out_keys = [storage_key(t) for t in flat], pointers(flatten(out)[0])
                 self._note_made(i, in_keys, out_keys)
-                self._free_transit(i, flat, in_keys, out_keys, in_xbar, joined)
+                if self.frees is not None:
+                    self._free_known(self.frees[n], i, flat, in_keys, joined)
+                    return
+                transit = self._free_transit(i, flat, in_keys, out_keys, in_xbar, joined)
+                if self.learned is not None:
+                    self.learned[n] = _Frees.at(in_keys, transit, self.consumed.get(i, ()), self.eaten.get(i, ()))
             return
         # NOTE [in-place inputs]: Fck keeps x_i for a later forward of stage i. A stage seen writing into its input
         # runs on a copy, so the kept checkpoint is never corrupted; so does a stage not seen yet (the first step
@@ -390,9 +419,11 @@ class _Step:
 
     def _packing(self, i: int) -> contextlib.AbstractContextManager:
         """With transfers, the saved tensors of a recording forward go into boxes that Off/Pre can move; without,
-        their storages are noted (see _free_transit)."""
+        their storages are noted while learning what each Fall frees (see _free_transit)."""
         if self.link is not None:
             return self.link.hooks(i)
+        if not self.hooks:
+            return contextlib.nullcontext()
         saved = self.saved[i] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -406,11 +437,15 @@ class _Step:
     def _note_made(self, i: int, in_keys: list[int | None], out_keys: set[int]) -> None:
         """Remember which storages of x_{i+1} the forward of stage i made (not handed on from its input)."""
         if i + 1 < self.L:
-            self.made[i + 1] = made_storages(set(in_keys), out_keys, self.m._stage_tensors[i])
+            if self.frees is not None:  # the stage's parameters and buffers are left out in _made, when read
+                self.made[i + 1] = out_keys.difference(in_keys)
+            else:
+                self.made[i + 1] = made_storages(set(in_keys), out_keys, self.m._stage_tensors[i])
 
     def _free_transit(self, i: int, inputs: list[torch.Tensor], in_keys: list[int | None], out_keys: set[int],
-                      in_xbar: bool, joined: bool) -> None:
-        """``in_keys``: the storage keys of ``inputs``; ``out_keys``: those of the stage's output."""
+                      in_xbar: bool, joined: bool) -> set[int]:
+        """``in_keys``: the storage keys of ``inputs``; ``out_keys``: those of the stage's output. Returns the keys of
+        the storages freed now (the transit part)."""
         # NOTE [memory model]: after Fall(i), the part of x_i that no backward needs is freed (chain.transit, DESIGN
         # §3 as amended): storages stage i-1 made that neither its graph (when x_i is inside x̄_i) nor stage i's
         # saved and that stage i does not hand on. Eager autograd frees them here too; we hold them in x̄_i or in a
@@ -419,7 +454,7 @@ class _Step:
         self.consumed.pop(i, None)  # only this Fall's input counts (an earlier one's was recomputed)
         self.eaten.pop(i, None)
         if i == 0 or i not in self.made:
-            return
+            return set()
         if in_xbar:
             self._note_eaten(i, in_keys, out_keys, joined)
         before = self.saved.get(i - 1, set()) if in_xbar else set()  # what B(i-1) needs of x_i
@@ -432,6 +467,33 @@ class _Step:
         # nothing: its input is no tensor of ours, and autograd frees it once B(i) is done with it, as in eager mode.
         if in_xbar and not joined:
             self.consumed[i] = set(consumed)
+        return set(transit)
+
+    def _free_known(self, frees: _Frees, i: int, inputs: list[torch.Tensor], in_keys: list[int | None],
+                    joined: bool) -> None:
+        """What :meth:`_free_transit` does, from what it found in the step that learned it (``frees``): of the
+        tensors there, those whose storage stage i-1 made in this step (``eaten``: stage i-2)."""
+        self.consumed.pop(i, None)
+        self.eaten.pop(i, None)
+        transit = self._made(i, {in_keys[k] for k in frees.transit})
+        for k in frees.transit:
+            if in_keys[k] in transit:
+                inputs[k].untyped_storage().resize_(0)
+        if frees.consumed:
+            self.consumed[i] = self._made(i, {in_keys[k] for k in frees.consumed})
+        if frees.eaten:
+            keys = self._made(i - 1, {in_keys[k] for k in frees.eaten})
+            if keys:
+                self.eaten[i] = keys
+                self._hook_eaten(i, keys, joined)
+
+    def _made(self, b: int, keys: set[int | None]) -> set[int]:
+        """Of ``keys``, the storages of x_b that stage b-1 made in this step: neither handed on nor its parameters or
+        buffers (looked up only for these few)."""
+        keys = keys & self.made.get(b, set())
+        if keys:
+            keys -= pointers([*self.m._stage_tensors[b - 1].parameters(), *self.m._stage_tensors[b - 1].buffers()])
+        return keys
 
     def _backward_op(self, i: int) -> None:
         # NOTE [memory model]: B(i) frees δ_{i+1}, x̄_{i+1} (the graph and output of Fall(i)) and, when x_i is a plain
@@ -488,6 +550,11 @@ class _Step:
         if not keys:
             return
         self.eaten[i] = keys
+        self._hook_eaten(i, keys, joined)
+
+    def _hook_eaten(self, i: int, keys: set[int], joined: bool) -> None:
+        """When stage i-1 heads the joined graph of B(i): free its input leaves among ``keys`` once their gradient
+        is ready (see _note_eaten)."""
         if joined and self.m._group_start[i] == i - 1 and self.xbar[i - 1][0] is not None:
             for leaf in self.xbar[i - 1][0]:
                 if leaf is not None and leaf.requires_grad and storage_key(leaf) in keys:
@@ -649,6 +716,21 @@ def _autocast_cache_off() -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_cache_enabled(True)
+
+
+class _Frees(NamedTuple):
+    """What one Fall frees of its input x_i, as positions in the flattened x_i: after the op (``transit``), after
+    B(i) (``consumed``, from the output inside x̄_{i-1}), and after B(i) wherever held (``eaten``)."""
+
+    transit: tuple[int, ...]
+    consumed: tuple[int, ...]
+    eaten: tuple[int, ...]
+
+    @classmethod
+    def at(cls, keys: list[int | None], *parts: Iterable[int]) -> _Frees:
+        """Each part (a set of storage keys) as the positions of ``keys`` (the input's) that hold them."""
+        sets = [set(part) for part in parts]
+        return cls(*(tuple(k for k, key in enumerate(keys) if key is not None and key in held) for held in sets))
 
 
 # ---------------------------------------------------------------------------------------------- autograd glue
