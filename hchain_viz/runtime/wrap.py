@@ -280,10 +280,11 @@ class _Step:
         # structure and the setting. Noting every saved tensor (saved-tensor hooks, see _packing) costs about 9 ms a
         # step on densenet121 at sub-layer granularity, so it is learned in one step (``learned``), by position in
         # the flattened input, and read in the later ones (``frees``). Not in the first step: a stage not seen yet
-        # runs Fck on a copy of its input (NOTE [in-place inputs]), so what it hands on looks made by it. Storages
+        # runs Fck on a copy of its input (NOTE [in-place inputs]), so what it hands on looks made by it (and
+        # relearned if a stage is later seen writing into its input). Storages
         # are still noted as made each step: only what the stage before made is ever freed. With transfers,
         # nothing is noted.
-        self.setting = (module._grad_mask_for, tuple(self.autocast),
+        self.setting = (module._grad_mask_for, tuple(self.autocast), tuple(module._mutates),
                         tuple((t.shape, t.dtype, t.requires_grad) for t in flatten(x0)[0]))
         noting = self.link is None
         known = noting and module._frees is not None and module._frees_for == self.setting
