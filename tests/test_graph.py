@@ -530,6 +530,34 @@ def test_sublayer_nanogpt_trains_like_eager():
     _check_sublayer_chain(chain, "h.{}", SUBLAYER_EAGER)
 
 
+def test_later_steps_free_what_the_learning_step_freed():
+    """The executor learns in the second step which input tensors each Fall frees (transit, consumed, eaten: the
+    attention's parts) and reads it afterwards without noting saved tensors: the same frees, relearned from scratch
+    in a fourth step, and the same peak as a step that notes everything."""
+    import hchain_viz as hcv
+    from hchain_viz.runtime.measure import measure
+
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2)
+    idx, target = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
+    loss_fn = lambda out: F.cross_entropy(out.reshape(-1, 50), target.reshape(-1))  # noqa: E731
+    chain = hcv.profile(model, idx, loss_fn, warmup=0, repeats=1, progress=False, granularity="sublayer")
+    sol = hcv.solve(chain)
+    schedule = sol.schedule(sol.min_budget + (sol.store_all_peak - sol.min_budget) // 10)
+    wrapped = hcv.wrap(model, schedule)
+    for _ in range(3):
+        loss_fn(wrapped(idx)).backward()
+    learned, reads = wrapped._frees, wrapped._frees_made
+    assert any(f.transit for f in learned.values()) and any(f.consumed for f in learned.values())
+    assert reads
+    known_peak = measure(wrapped, idx, loss_fn, repeats=1).peak_bytes
+    wrapped._frees = None  # relearn
+    loss_fn(wrapped(idx)).backward()
+    loss_fn(wrapped(idx)).backward()
+    assert wrapped._frees == learned and wrapped._frees_made == reads
+    assert known_peak <= hcv.simulate(chain, schedule).peak_memory
+
+
 @pytest.mark.parametrize("family, layer", [("gpt2", "h.{}"), ("llama", "layers.{}")])
 def test_sublayer_hf_eager_attention_trains_like_eager(family, layer):
     model, inp, loss_fn = _hf(family, attn_implementation="eager")

@@ -120,6 +120,7 @@ class ScheduledModule(nn.Module):
         # for the setting in _frees_for (grad mask, autocast); None: learn it in the next step.
         self._frees: dict[int, _Frees] | None = None
         self._frees_for: Any = None
+        self._frees_made: set[int] = set()  # the boundaries b whose made storages (see _Step.made) they read
         try:
             stages = sequentialize(model)
         except NotSequentialError:
@@ -313,6 +314,9 @@ class _Step:
             else:
                 self._forward_op(n, kind, i, role, joined, in_backward=True)
         if self.learned is not None:  # a whole step: what each Fall frees is known for this setting
+            ops = [*self.m._forward_ops, *self.m._backward_ops]  # numbered as run_forward and run_backward do
+            self.m._frees_made = ({ops[n][1] for n, f in self.learned.items() if f.transit or f.consumed}
+                                  | {ops[n][1] - 1 for n, f in self.learned.items() if f.eaten})
             self.m._frees, self.m._frees_for = self.learned, self.setting
         return self.delta.pop(0)
 
@@ -387,12 +391,13 @@ class _Step:
                 del feed
                 self._learn_mutation(i, leaves, versions)
                 self.xbar[i] = (leaves, out)
-            if self.link is None:  # with transfers, no storage is noted (see _packing)
+            if self.frees is not None:
+                if i + 1 in self.m._frees_made:
+                    self._note_made(i, [storage_key(t) for t in flat], pointers(flatten(out)[0]))
+                self._free_known(self.frees[n], i, flat, joined)
+            elif self.link is None:  # with transfers, no storage is noted (see _packing)
                 in_keys, out_keys = [storage_key(t) for t in flat], pointers(flatten(out)[0])
                 self._note_made(i, in_keys, out_keys)
-                if self.frees is not None:
-                    self._free_known(self.frees[n], i, flat, in_keys, joined)
-                    return
                 transit = self._free_transit(i, flat, in_keys, out_keys, in_xbar, joined)
                 if self.learned is not None:
                     self.learned[n] = _Frees.at(in_keys, transit, self.consumed.get(i, ()), self.eaten.get(i, ()))
@@ -408,7 +413,7 @@ class _Step:
             out = self._call(stage, feed, i, role)
         self._learn_mutation(i, fed, versions)
         del feed, fed
-        if self.link is None:
+        if self.link is None and (self.frees is None or i + 1 in self.m._frees_made):
             self._note_made(i, [storage_key(t) for t in flat], pointers(flatten(out)[0]))
         if kind == "Fn":
             # NOTE [memory model]: Fn frees its input x_i right after the op (DESIGN §3).
@@ -470,20 +475,20 @@ class _Step:
             self.consumed[i] = set(consumed)
         return set(transit)
 
-    def _free_known(self, frees: _Frees, i: int, inputs: list[torch.Tensor], in_keys: list[int | None],
-                    joined: bool) -> None:
+    def _free_known(self, frees: _Frees, i: int, inputs: list[torch.Tensor], joined: bool) -> None:
         """What :meth:`_free_transit` does, from what it found in the step that learned it (``frees``): of the
         tensors there, those whose storage stage i-1 made in this step (``eaten``: stage i-2)."""
         self.consumed.pop(i, None)
         self.eaten.pop(i, None)
-        transit = self._made(i, {in_keys[k] for k in frees.transit})
-        for k in frees.transit:
-            if in_keys[k] in transit:
-                inputs[k].untyped_storage().resize_(0)
+        if frees.transit:
+            transit = self._made(i, {storage_key(inputs[k]) for k in frees.transit})
+            for k in frees.transit:
+                if storage_key(inputs[k]) in transit:
+                    inputs[k].untyped_storage().resize_(0)
         if frees.consumed:
-            self.consumed[i] = self._made(i, {in_keys[k] for k in frees.consumed})
+            self.consumed[i] = self._made(i, {storage_key(inputs[k]) for k in frees.consumed})
         if frees.eaten:
-            keys = self._made(i - 1, {in_keys[k] for k in frees.eaten})
+            keys = self._made(i - 1, {storage_key(inputs[k]) for k in frees.eaten})
             if keys:
                 self.eaten[i] = keys
                 self._hook_eaten(i, keys, joined)
