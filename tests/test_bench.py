@@ -14,6 +14,46 @@ def test_pareto_rule():
     assert pareto_efficient([]) == []
 
 
+def test_grouped_times_run_a_group_back_to_back():
+    """bench models --cnn reads each gain from steps run back to back: per round, a group's modules run one after
+    the other (in a shuffled order), every module gets one timed step per round after a warm-up round."""
+    import torch
+    from torch import nn
+
+    from hchain_viz.bench.train import _grouped_times
+    from hchain_viz.runtime.measure import fresh_copy
+
+    calls = []
+
+    class Tagged(nn.Linear):
+        def __init__(self, tag):
+            super().__init__(3, 3)
+            self.tag = tag
+
+        def forward(self, x):
+            calls.append(self.tag)
+            return super().forward(x)
+
+    groups = [[Tagged("a0"), Tagged("a1"), Tagged("a2")], [Tagged("b0"), Tagged("b1")], [Tagged("c0")]]
+    times = _grouped_times(groups, torch.randn(2, 3), lambda out: out.sum(), 4, fresh_copy)
+    assert [[len(t) for t in g] for g in times] == [[4, 4, 4], [4, 4], [4]]
+    assert all(t > 0 for g in times for m in g for t in m)
+    assert len(calls) == 5 * 6
+    for r in range(5):
+        ran = [c[0] for c in calls[6 * r: 6 * r + 6]]
+        assert sorted(ran) == ["a", "a", "a", "b", "b", "c"]
+        assert sum(x != y for x, y in zip(ran, ran[1:])) == 2  # three runs of one group each
+
+
+def test_keep_heap_takes_on_glibc():
+    """glibc keeps freed memory for the CNN bench, as a GPU's caching allocator does (no page faults per step)."""
+    import platform
+
+    from hchain_viz.bench import keep_heap
+
+    assert keep_heap() is (platform.libc_ver()[0] == "glibc")
+
+
 # ---------------------------------------------------------------------------------------------- bench offload
 def test_llama_chain_from_analytic_counts():
     """bench offload's LLaMA-7B-like chain: sizes from the formulas of its docstring, times from the profiler's

@@ -77,3 +77,20 @@ def optimal_at(chain: Chain, budget: int) -> Schedule:
     from ..core.solver import optimal_schedule
 
     return optimal_schedule(chain, budget, slots=20000)
+
+
+def keep_heap() -> bool:
+    """Ask glibc to keep freed memory (``mallopt``: no trimming, no mmap below 32 MiB), as
+    ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296`` does from the
+    start. Otherwise it hands large blocks back to the system and the next step page-faults them in again (tens of
+    thousands of faults, tens of ms a CPU step, more for the schedules that allocate more), which no GPU allocator
+    does. True when glibc took both settings."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)) and bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20))
+    except (OSError, AttributeError):  # not glibc
+        return False

@@ -19,9 +19,12 @@ inception_v3``, batch 4 at 128-160 px) at ``module`` and ``sublayer`` granularit
 ``checkpoint_sequential`` over the model's top-level children (``model.features``' children for a DenseNet), each
 Pareto-efficient segment count n (measured peak, step time). At n's measured peak the optimum is solved on the
 granular chain; per granularity the table gives the stages, the least feasible budget (the solver's, and its ratio
-to module granularity's), and the mean gain over the Pareto-efficient n, measured (interleaved rounds, all
-granularities in the same rounds; each gain the median over rounds of that round's ratio) and simulated (the
-optimum's predicted step time against checkpoint_sequential's on a profile of the user's chain). It also gives the
+to module granularity's), and the mean gain over the Pareto-efficient n, measured and simulated (the optimum's
+predicted step time against checkpoint_sequential's on a profile of the user's chain). Measured: per round, the
+baseline and each granularity's optimum at its peak run back to back (a step of a CNN varies by about +-12% on
+its own, and a shared machine changes speed over seconds), each gain the median over rounds of that round's ratio;
+the rounds shuffle these groups. glibc is asked to keep freed memory (``keep_heap``), as a GPU's caching allocator
+does: otherwise the schedules that free and allocate more page-fault more. It also gives the
 least budget with every transient zero, store-all through the executor over eager in the same rounds, and, per row,
 the op of the least schedule that sets its least budget (what is resident before it and what it adds).
 ``docs/cnn.md`` has the table and what it shows.
@@ -40,7 +43,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import pareto_efficient, positive_int, print_table
+from . import keep_heap, pareto_efficient, positive_int, print_table
 
 ALL = ("resnet_skip", "nanogpt", "gpt2", "resnet18", "densenet121")
 
@@ -218,9 +221,10 @@ GRANULARITIES = ("module", "sublayer")
 
 
 def _run_cnn(opts: Any) -> None:
+    heap = "glibc keeps freed memory" if keep_heap() else "the allocator as it is"
     print(f"CNN benchmark: torch {torch.__version__}, cpu, {torch.get_num_threads()} threads, batch {opts.batch}, "
-          f"step times: median of {opts.rounds} interleaved rounds, peaks measured with hchain_viz.measure; baseline: "
-          f"checkpoint_sequential over the top-level children")
+          f"{heap}; gains: median over {opts.rounds} interleaved rounds of the ratio of two steps run back to back; "
+          f"peaks measured with hchain_viz.measure; baseline: checkpoint_sequential over the top-level children")
     head = ("model", "input", "granularity", "stages", "least budget", "vs module", "least, no transients",
             "ckpt_seq Pareto n", "measured gain", "simulated gain", "measured / simulated", "ceiling (store-all)",
             "store-all: executor / eager")
@@ -300,7 +304,7 @@ def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list
     from ..runtime.stages import sequentialize
     from ..runtime.wrap import wrap
     from . import optimal_at
-    from .train import _CheckpointSequential, _interleaved_times
+    from .train import _CheckpointSequential, _grouped_times, _interleaved_times
 
     try:
         import torchvision
@@ -348,42 +352,37 @@ def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list
             ckpt_sim = [simulate(chain, _segmented(chain, _starts(user, chain.names, n), {})).makespan
                         for n in range(1, L + 1)]
             per_g.append((g, len(stages), chain, least, runs, ckpt_sim))
-    # store-all through the executor beside eager, in the same rounds: what the executor itself costs
+    # checkpoint_sequential's Pareto-efficient n, from a few rounds of its own
+    keep = pareto_efficient(list(zip(ckpt_peaks, _interleaved_times(ckpt, x, loss_fn, 3, fresh_copy))))
+    points = [n for n in range(L) if keep[n]]
+    # Then the gains, each read per round from steps run back to back (the baseline and the optimum of each
+    # granularity at its peak), as the median over rounds; store-all through the executor beside eager, the same way.
+    groups = [[ckpt[n], *(runs[ckpt_peaks[n]][0] for *_, runs, _ in per_g if ckpt_peaks[n] in runs)] for n in points]
     plain = [model] + [wrap(nn.Sequential(*[m for _, m in st]), store_all(entry[2]))
                        for st, entry in zip(stage_lists, per_g)]
-    modules = list(ckpt) + [m for entry in per_g for m, _ in entry[4].values()] + plain
-    # every round's step times: a gain is read per round, from two steps timed seconds apart, then the median over
-    # rounds (a busy machine moves whole rounds; medians of each side alone mix rounds of different speed)
-    samples = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy, samples=True)
-    times = [statistics.median(t) for t in samples]
+    samples = _grouped_times([*groups, plain], x, loss_fn, opts.rounds, fresh_copy)
+    for p in model.parameters():
+        p.grad = None
 
     def paired(a: list[float], b: list[float]) -> float:
         return statistics.median(p / q for p, q in zip(a, b))
 
-    eager_samples, executor_samples = samples[-len(plain)], samples[-len(plain) + 1:]
-    for p in model.parameters():
-        p.grad = None
-    ckpt_times = times[:L]
-    keep = pareto_efficient(list(zip(ckpt_peaks, ckpt_times)))
-    offset, rows, floors, lines = L, [], [], []
+    eager_samples, executor_samples = samples[-1][0], samples[-1][1:]
+    rows, floors, lines = [], [], []
     module_least = per_g[0][3]
-    for (g, n_stages, chain, least, runs, ckpt_sim), executor in zip(per_g, executor_samples):
+    for gi, ((g, n_stages, chain, least, runs, ckpt_sim), executor) in enumerate(zip(per_g, executor_samples)):
         bare, why = _floor(chain)
         floors.append(f"{name} {g}: {why}")
-        opt_samples = dict(zip(runs, samples[offset: offset + len(runs)]))
-        offset += len(runs)
         opt_peaks = {b: measure(m, x, loss_fn, repeats=1).peak_bytes for b, (m, _) in runs.items()}
-        measured, simulated, ceiling, points = [], [], [], 0
+        measured, simulated, ceiling = [], [], []
         store_all_time = simulate(chain, store_all(chain)).makespan  # no schedule is faster (nothing recomputed)
-        for n in range(L):
-            if not keep[n]:
-                continue
-            points += 1
+        for n, group in zip(points, samples):
             b = ckpt_peaks[n]
             if b not in runs:
                 continue  # below this chain's least budget: the optimum cannot run there
             assert opt_peaks[b] <= b, (name, g, n + 1)  # measured within the baseline's measured peak
-            per_round = [p / q - 1.0 for p, q in zip(samples[n], opt_samples[b])]
+            k = 1 + sum(ckpt_peaks[n] in entry[4] for entry in per_g[:gi])  # this granularity's place in the group
+            per_round = [p / q - 1.0 for p, q in zip(group[0], group[k])]
             measured.append(statistics.median(per_round))
             simulated.append(ckpt_sim[n] / runs[b][1] - 1.0)
             lines.append(f"{name} {g} n={n + 1} at {_mib(b)}: simulated {100 * simulated[-1]:+.1f}%, measured "
@@ -392,7 +391,7 @@ def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list
         mean = lambda v: statistics.mean(v) if v else float("nan")  # noqa: E731
         m_gain, s_gain = mean(measured), mean(simulated)
         rows.append((name, shape, g, str(n_stages), _mib(least), f"{module_least / least:.2f}x",
-                     f"{_mib(bare)} ({module_least / bare:.2f}x)", f"{len(measured)}/{points}",
+                     f"{_mib(bare)} ({module_least / bare:.2f}x)", f"{len(measured)}/{len(points)}",
                      f"{100 * m_gain:+.1f}%", f"{100 * s_gain:+.1f}%",
                      f"{m_gain / s_gain:.2f}" if s_gain else "n/a", f"{100 * mean(ceiling):+.1f}%",
                      f"{paired(executor, eager_samples):.2f}"))

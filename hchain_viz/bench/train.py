@@ -173,26 +173,39 @@ def _interleaved_times(modules: list[Any], x: Any, loss_fn: Any, rounds: int, fr
     """Median step time of each module (or, with ``samples``, every step time), timing one step of each per round in
     a shuffled order (a warm-up round first). Timed as ``measure`` times: CUDA events on a GPU (kernels run
     asynchronously: a wall clock around the calls would see only their launches), ``perf_counter`` elsewhere."""
+    times = [t for (t,) in _grouped_times([[m] for m in modules], x, loss_fn, rounds, fresh_copy)]
+    return times if samples else [statistics.median(t) for t in times]
+
+
+def _grouped_times(groups: list[list[Any]], x: Any, loss_fn: Any, rounds: int,
+                   fresh_copy: Any) -> list[list[list[float]]]:
+    """Every step time of each module of each group (``[group][module][round]``): per round (a warm-up round first)
+    the groups run in a shuffled order, and a group's modules one after the other, also shuffled. Ratios within a
+    group are then read from steps run back to back: a shared machine changes speed over seconds, and one step of a
+    CNN varies by +-12% on its own, so steps timed far apart add both to a ratio's noise."""
     from ..runtime.measure import _timed
     from ..runtime.memtrack import tensors
 
     dev = tensors(x)[0].device
-    params = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values()
+    params = {id(p): p for g in groups for m in g for p in m.parameters() if p.requires_grad}.values()
     for p in params:  # gradients exist before timing, as in a training loop after its first step
         if p.grad is None:
             p.grad = p.detach().new_zeros(p.shape)
-    times: list[list[float]] = [[] for _ in modules]
-    order = list(range(len(modules)))
+    times: list[list[list[float]]] = [[[] for _ in g] for g in groups]
     shuffle = random.Random(0).shuffle
+    order = list(range(len(groups)))
+    inner = [list(range(len(g))) for g in groups]
     for r in range(rounds + 1):
         shuffle(order)  # no configuration always runs right after the same other one
-        for k in order:
-            m = modules[k]
-            xs = fresh_copy(x)
-            dt = _timed(lambda m=m, xs=xs: loss_fn(m(xs)).backward(), dev)
-            for p in params:
-                p.grad.zero_()
-            if r:
-                times[k].append(dt)
-    return times if samples else [statistics.median(t) for t in times]
+        for gi in order:
+            shuffle(inner[gi])
+            for k in inner[gi]:
+                m = groups[gi][k]
+                xs = fresh_copy(x)
+                dt = _timed(lambda m=m, xs=xs: loss_fn(m(xs)).backward(), dev)
+                for p in params:
+                    p.grad.zero_()
+                if r:
+                    times[gi][k].append(dt)
+    return times
 
