@@ -52,7 +52,9 @@ def run(args: list[str]) -> None:
     """Print one row per model: stages, tracer, extraction time, gain over checkpoint_sequential."""
     parser = argparse.ArgumentParser(prog="hchain_viz bench models", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(ALL), help="comma-separated, from: " + ", ".join(ALL))
-    parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds (median taken)")
+    parser.add_argument("--rounds", type=positive_int, default=None,
+                        help=f"interleaved timing rounds (median taken; default 3, {CNN_ROUNDS} with --cnn: a CNN "
+                             f"step varies by about +-12%% on its own, so a gain read to a point needs many)")
     parser.add_argument("--budgets", type=positive_int, default=4, help="evenly spaced optimal budgets besides the "
                                                                "checkpoint_sequential peaks")
     parser.add_argument("--no-train", action="store_true", help="extraction only (skip the training comparison)")
@@ -64,6 +66,8 @@ def run(args: list[str]) -> None:
                                                                       "inception_v3)")
     parser.add_argument("--batch", type=positive_int, default=4, help="with --cnn: batch size")
     opts = parser.parse_args(args)
+    if opts.rounds is None:
+        opts.rounds = CNN_ROUNDS if opts.cnn else 3
     if opts.threads:
         torch.set_num_threads(opts.threads)
     if opts.cnn:
@@ -217,6 +221,7 @@ BUILDERS: dict[str, Callable[[], tuple]] = {
 
 # ---------------------------------------------------------------------------------------------- --cnn (issue #26)
 CNN = ("resnet50", "densenet121", "inception_v3")
+CNN_ROUNDS = 40  # run I in docs/cnn.md: about what a measured/simulated reading to 0.9-1.1 needs on a 2-core CPU
 GRANULARITIES = ("module", "sublayer")
 
 
