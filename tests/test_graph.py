@@ -532,8 +532,8 @@ def test_sublayer_nanogpt_trains_like_eager():
 
 def test_later_steps_free_what_the_learning_step_freed():
     """The executor learns in the second step which input tensors each Fall frees (transit, consumed, eaten: the
-    attention's parts) and reads it afterwards without noting saved tensors: the same frees, relearned from scratch
-    in a fourth step, and the same peak as a step that notes everything."""
+    attention's parts) and reads it afterwards without noting saved tensors: the same frees when relearned from
+    scratch, and a peak of the known steps within the prediction."""
     import hchain_viz as hcv
     from hchain_viz.runtime.measure import measure
 

@@ -281,10 +281,9 @@ class _Step:
         # structure and the setting. Noting every saved tensor (saved-tensor hooks, see _packing) costs about 9 ms a
         # step on densenet121 at sub-layer granularity, so it is learned in one step (``learned``), by position in
         # the flattened input, and read in the later ones (``frees``). Not in the first step: a stage not seen yet
-        # runs Fck on a copy of its input (NOTE [in-place inputs]), so what it hands on looks made by it (and
-        # relearned if a stage is later seen writing into its input). Storages
-        # are still noted as made each step: only what the stage before made is ever freed. With transfers,
-        # nothing is noted.
+        # runs Fck on a copy of its input (NOTE [in-place inputs]), so what it hands on looks made by it (and it is
+        # relearned if a stage is later seen writing into its input). Storages are still noted as made where a
+        # learned free reads them: only what the stage before made is ever freed. With transfers, nothing is noted.
         self.setting = (module._grad_mask_for, tuple(self.autocast), tuple(module._mutates),
                         tuple((t.shape, t.dtype, t.requires_grad) for t in flatten(x0)[0]))
         noting = self.link is None
@@ -443,10 +442,7 @@ class _Step:
     def _note_made(self, i: int, in_keys: list[int | None], out_keys: set[int]) -> None:
         """Remember which storages of x_{i+1} the forward of stage i made (not handed on from its input)."""
         if i + 1 < self.L:
-            if self.frees is not None:  # the stage's parameters and buffers are left out in _made, when read
-                self.made[i + 1] = out_keys.difference(in_keys)
-            else:
-                self.made[i + 1] = made_storages(set(in_keys), out_keys, self.m._stage_tensors[i])
+            self.made[i + 1] = made_storages(set(in_keys), out_keys, self.m._stage_tensors[i])
 
     def _free_transit(self, i: int, inputs: list[torch.Tensor], in_keys: list[int | None], out_keys: set[int],
                       in_xbar: bool, joined: bool) -> set[int]:
@@ -480,26 +476,23 @@ class _Step:
         tensors there, those whose storage stage i-1 made in this step (``eaten``: stage i-2)."""
         self.consumed.pop(i, None)
         self.eaten.pop(i, None)
+
+        def made(b: int, positions: tuple[int, ...]) -> set[int]:  # their storages that stage b-1 made
+            return {storage_key(inputs[k]) for k in positions} & self.made.get(b, set())
+
         if frees.transit:
-            transit = self._made(i, {storage_key(inputs[k]) for k in frees.transit})
+            transit = made(i, frees.transit)
             for k in frees.transit:
-                if storage_key(inputs[k]) in transit:
-                    inputs[k].untyped_storage().resize_(0)
+                st = storage_of(inputs[k])
+                if st is not None and st.data_ptr() in transit:
+                    st.resize_(0)
         if frees.consumed:
-            self.consumed[i] = self._made(i, {storage_key(inputs[k]) for k in frees.consumed})
+            self.consumed[i] = made(i, frees.consumed)
         if frees.eaten:
-            keys = self._made(i - 1, {storage_key(inputs[k]) for k in frees.eaten})
+            keys = made(i - 1, frees.eaten)
             if keys:
                 self.eaten[i] = keys
                 self._hook_eaten(i, keys, joined)
-
-    def _made(self, b: int, keys: set[int | None]) -> set[int]:
-        """Of ``keys``, the storages of x_b that stage b-1 made in this step: neither handed on nor its parameters or
-        buffers (looked up only for these few)."""
-        keys = keys & self.made.get(b, set())
-        if keys:
-            keys -= pointers([*self.m._stage_tensors[b - 1].parameters(), *self.m._stage_tensors[b - 1].buffers()])
-        return keys
 
     def _backward_op(self, i: int) -> None:
         # NOTE [memory model]: B(i) frees δ_{i+1}, x̄_{i+1} (the graph and output of Fall(i)) and, when x_i is a plain
