@@ -324,6 +324,18 @@ def test_tied_and_copy_spread_round_trip_and_validate():
             Chain(**base, **bad)
 
 
+def test_backward_call_round_trips_counts_in_store_all_and_validates():
+    base = dict(fwd_time=[1.0] * 3, bwd_time=[2.0] * 3, x=[1] * 4, xbar=[1] * 3)
+    c = Chain(**base, backward_call=0.25)
+    assert c.store_all_time == 9.25 and Chain(**base).backward_call == 0.0
+    again = Chain.from_json(c.to_json())
+    assert again == c and again.backward_call == 0.25
+    assert "backward_call" not in Chain(**base).to_dict()  # older readers see the chains they know
+    for bad in (-1.0, float("nan"), "fast"):
+        with pytest.raises(InvalidChain, match="backward_call"):
+            Chain(**base, backward_call=bad)
+
+
 def test_timing_note_counts_only_untied_stages_as_noise():
     meta = {"repeats": 5, "time_spread": {"fwd": [0.5, 0.5, 0.0], "bwd": [0.5, 0.5, 0.0]}}
     c = Chain(fwd_time=[1.0] * 3, bwd_time=[1.0] * 3, x=[1] * 4, xbar=[1] * 3, meta=meta)

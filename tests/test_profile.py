@@ -106,7 +106,9 @@ def test_meta_records_the_setting():
     assert chain.meta["model"] == "Sequential" and chain.meta["input_shape"] == [3, 16]
     assert chain.meta["torch"] == torch.__version__
     assert Chain.from_json(chain.to_json()).meta == chain.meta  # JSON-serialisable
-    assert all(t > 0 for t in chain.fwd_time + chain.bwd_time)
+    # a backward's share can be all call cost on stages this small (see chain.backward_call), never negative
+    assert all(t > 0 for t in chain.fwd_time) and all(t >= 0 for t in chain.bwd_time)
+    assert chain.store_all_time > sum(chain.fwd_time)
 
 
 def test_list_of_pairs_and_public_name():
@@ -464,6 +466,7 @@ def test_profile_records_the_spread_of_each_stage(monkeypatch):
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     # every stage: forward 1, 1, 2 ms (median 1 ms, spread (2-1)/2 = 50%), backward a steady 3 ms
+    monkeypatch.setattr(P, "CALL_PAIRS", 0)  # no neighbours timed together: the timer's values go to the stages
     monkeypatch.setattr(P, "_timed", fake_timer([1e-3, 3e-3, 1e-3, 3e-3, 2e-3, 3e-3]))
     with pytest.warns(hcv.TimingWarning, match=r"varied by ±12% across the 3 repeats \(0 ±50%, 1 ±50%, 2 ±50%\)"):
         chain = profile(model, torch.randn(3, 4), warmup=0, repeats=3, progress=False)
@@ -479,6 +482,39 @@ def test_profile_records_the_spread_of_each_stage(monkeypatch):
     assert steady.time_spread == 0.0
 
 
+def test_backward_call_is_measured_on_neighbours_and_left_out_of_each_backward(monkeypatch):
+    """Each stage's backward is timed as a call of its own. Two neighbours run backward as one call take less than
+    both apart: what a call costs (chain.backward_call, the median over the pairs), which each stage's bwd_time leaves
+    out (its share of a joined backward; the simulator charges the call once per group)."""
+    import hchain_viz.runtime.profile as P
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    ms = 1e-3
+    times = [1 * ms, 5 * ms,  # stage 0: forward, backward
+             1 * ms, 3 * ms,  # stage 1
+             1 * ms, 5 * ms, 1 * ms, 3 * ms, 6.5 * ms,  # stages 0 and 1 apart, then as one call: 1.5 ms less
+             1 * ms, 4 * ms,  # stage 2
+             1 * ms, 3 * ms, 1 * ms, 4 * ms, 6 * ms]  # stages 1 and 2: 1 ms less
+    monkeypatch.setattr(P, "_timed", fake_timer(times))
+    chain = profile(model, torch.randn(3, 4), warmup=0, repeats=1, progress=False)
+    assert chain.meta["backward_call"]["per_pair"] == pytest.approx([1.5 * ms, 1 * ms])
+    assert chain.backward_call == pytest.approx(1.25 * ms)
+    assert chain.bwd_time == pytest.approx((3.75 * ms, 1.75 * ms, 2.75 * ms))
+    assert chain.store_all_time == pytest.approx(3 * ms + 12 * ms - 2 * 1.25 * ms)  # one call, not three
+    assert Chain.from_json(chain.to_json()).backward_call == chain.backward_call
+
+
+def test_backward_call_is_positive_on_small_stages_and_absent_from_estimates():
+    """Measured for real: on stages whose own backward is mostly the autograd engine's start, two neighbours joined
+    cost less than apart. An estimate for another GPU keeps no measured call cost."""
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+    chain = profile(model, torch.randn(4, 16), warmup=2, repeats=5, progress=False)
+    assert len(chain.meta["backward_call"]["per_pair"]) == 7 and chain.backward_call > 0
+    assert all(b >= 0 for b in chain.bwd_time)
+    estimate = profile(model, torch.randn(4, 16), warmup=0, repeats=1, progress=False, estimate_for="H100")
+    assert estimate.backward_call == 0.0 and "backward_call" not in estimate.meta
+
+
 # ---------------------------------------------------------------------------------------------- identical stages
 def test_identical_stages_share_their_median_time(monkeypatch):
     """Three copies of one layer measured 1, 2 and 6 ms: each costs the median, 2 ms; the spread stays in the chain;
@@ -491,6 +527,7 @@ def test_identical_stages_share_their_median_time(monkeypatch):
     # one repeat, no warm-up: stage i gets (fwd, bwd) = the i-th pair. Stage 0 (input without grad) and stage 4
     # (another shape) are not copies of stages 1-3.
     times = [5e-3, 7e-3, 1e-3, 3e-3, 2e-3, 3e-3, 6e-3, 4e-3, 9e-3, 9e-3]
+    monkeypatch.setattr(P, "CALL_PAIRS", 0)
     monkeypatch.setattr(P, "_timed", fake_timer(times))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the copies differ by ±125%, but they are tied: no warning
@@ -513,6 +550,7 @@ def test_timing_warning_is_one_line_about_untied_stages(monkeypatch):
     import hchain_viz.runtime.profile as P
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    monkeypatch.setattr(P, "CALL_PAIRS", 0)
     monkeypatch.setattr(P, "_timed", fake_timer([1e-3, 3e-3, 1e-3, 3e-3, 2e-3, 3e-3]))
     with pytest.warns(hcv.TimingWarning) as rec:
         profile(model, torch.randn(3, 4), warmup=0, repeats=3, progress=False)

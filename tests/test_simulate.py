@@ -7,6 +7,8 @@ times fwd = [1, 2], bwd = [3, 4].
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -325,3 +327,21 @@ def test_peak_and_makespan_is_the_traces(seed):
         with pytest.raises(InvalidSchedule) as info:
             peak_and_makespan(CH, Schedule.parse(text))
         assert info.value.index == index
+
+
+def test_each_backward_call_is_charged_once():
+    """chain.backward_call: one backward call per group of stages whose graphs join (a Fall that reads its input from
+    inside the x̄ before it, with B of the stage before right after its own); a plain checkpoint starts a call."""
+    chain = replace(Chain.homogeneous(4), backward_call=10.0)
+    whole = simulate(chain, Schedule.parse("Fall0 Fall1 Fall2 Fall3 Loss B3 B2 B1 B0"))
+    assert whole.joined == {1, 2, 3} and whole.makespan == 4 * 1.0 + 4 * 2.0 + 10.0 == chain.store_all_time
+    split = simulate(chain, Schedule.parse("Fck0 Fn1 Fall2 Fall3 Loss B3 B2 Fall0 Fall1 B1 B0"))
+    assert split.joined == {1, 3}  # x_2 is a plain checkpoint: B2 starts a second call
+    assert split.makespan == 4 * 1.0 + 2 * 1.0 + 4 * 2.0 + 2 * 10.0
+    # the call is charged at the B that starts it (the last stage of its group)
+    assert [e.end - e.start for e in split.events if e.op.kind == "B"] == [12.0, 2.0, 12.0, 2.0]
+    assert peak_and_makespan(chain, split.schedule)[1] == split.makespan
+    # an offloaded stage's graph moves apart (stage 1 does not join 0), and so does a stage whose B is not followed
+    # right away by the B before it (a prefetch between B2 and B1)
+    link = simulate(chain.with_bandwidth(1e9), Schedule.parse("Fall0 Fall1 Off0 Fall2 Fall3 Loss B3 B2 Pre0 B1 B0"))
+    assert link.joined == {3} and link.makespan >= 4 * 1.0 + 4 * 2.0 + 3 * 10.0

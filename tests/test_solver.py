@@ -224,6 +224,28 @@ def _check_against_brute_force(chain: hcv.Chain) -> None:
         assert trace.peak_memory <= b and close(trace.makespan, want) and close(want, sol.makespan(b))
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_optimum_with_backward_calls_equals_every_schedule_simulated(seed):
+    """chain.backward_call (DESIGN §4): the simulator charges it once per backward call (store-all: one; each
+    checkpoint that starts a graph of its own: one more). The DP's answer at every budget equals the fastest of every
+    persistent schedule of the model, each timed by the simulator, not by the DP's own sums."""
+    import dataclasses
+
+    base = next(c for k in range(100 * seed, 100 * seed + 100)
+                if (c := random_int_chain(k, max_len=4, zeros=False)).length >= 3)
+    chain = dataclasses.replace(base, backward_call=0.5 + seed % 3)
+    runs = [simulate(chain, Schedule(ops)) for ops in oracles.all_remat_schedules(chain)]
+    sol = exact(chain)
+    assert close(sol.makespan(sol.store_all_peak), base.store_all_time + chain.backward_call)
+    for b in range(sol.min_budget, sol.store_all_peak + 1):
+        best = min(t.makespan for t in runs if t.peak_memory <= b)
+        assert close(sol.makespan(b), best), (b, sol.makespan(b), best)
+        trace = simulate(chain, sol.schedule(b))
+        assert close(trace.makespan, sol.makespan(b)) and close(sol.schedule(b).meta["predicted_makespan"], best)
+    # schedules with more backward calls were among those weighed
+    assert any(len(t.joined) < chain.length - 1 for t in runs)
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_int_chains())
 def test_optimum_equals_brute_force(chain):
@@ -411,7 +433,7 @@ def _tables(chain: hcv.Chain, slots: int, threads: int) -> tuple[np.ndarray, ...
     D, Dch = np.empty((L + 1, slots + 1)), np.empty((L + 1, slots + 1), np.int16)
     solver._kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
                               sizes["nograd_tmp"], sizes["bwd_tmp"],
-                              arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch, threads)
+                              arr["fwd_time"], arr["bwd_time"], chain.backward_call, C, Cch, D, Dch, threads)
     return C, Cch, D, Dch
 
 
@@ -445,7 +467,8 @@ def test_a_failing_tile_stops_every_thread_and_raises():
     G, LOC, SAT = (np.empty((L, L), np.int64) for _ in range(3))
     k["bounds"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
                 sizes["nograd_tmp"], sizes["bwd_tmp"], G, LOC, SAT)
-    args = (sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], arr["fwd_time"], arr["bwd_time"], C, Cch, G, LOC, SAT)
+    args = (sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], arr["fwd_time"], arr["bwd_time"], 0.0, C, Cch, G, LOC,
+            SAT)
     with pytest.raises(RuntimeError, match="tile failed"):
         solver._wavefront({**k, "tile": tile}, args, L, 31, 2)
     assert not any(ihi == 47 - 32 and la > ihi for ihi, la in calls)  # the third block never ran past its own columns

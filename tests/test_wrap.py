@@ -464,6 +464,9 @@ def test_joined_stages_share_one_backward():
     # Fall3 reads x_3 from inside x̄_3, but a forward runs between B3 and B2: no joining across the gap.
     gap = "Fck0 Fn1 Fall2 Fall3 Fall4 Loss B4 B3 Fck0 B2 Fall1 B1 Fall0 B0"
     assert wrap(model, gap)._group_start == [0, 1, 2, 3, 3]
+    # as many backward calls as the simulator charges (chain.backward_call)
+    for s in (strategies.store_all(chain), strategies.recompute_all(chain), hcv.Schedule.parse(gap)):
+        assert len(set(wrap(model, s)._group_start)) == 5 - len(hcv.simulate(chain, s).joined)
     model, x = mlp()
     assert_identical(train(model, x, gap), reference("mlp"))
 

@@ -58,7 +58,12 @@ class Chain:
 
     Times are seconds (float), sizes bytes (int). Fields (paper symbols in brackets):
 
-    - ``fwd_time[i]`` (u_f): one forward of stage i; ``bwd_time[i]`` (u_b): its backward.
+    - ``fwd_time[i]`` (u_f): one forward of stage i; ``bwd_time[i]`` (u_b): its backward, as its share of a
+      backward that runs through several stages at once.
+    - ``backward_call``: seconds each separate backward call costs beyond its stages' shares (the autograd engine's
+      start, the input gradients handed from one call to the next). The executor runs one call per group of stages
+      whose graphs it joins (store-all: one), so the simulator and the solver charge it once per group (DESIGN §4).
+      Default 0.0.
     - ``x[i]`` (ω_x), length L+1: bytes of the activation entering stage i; ``x[L]`` is the network output.
     - ``delta[i]``, length L+1: bytes of the gradient δ_i, or None (the default): the same as ``x[i]``, also after
       ``dataclasses.replace(chain, x=...)``. Read it as :attr:`delta_bytes`. A profile measures it: tensors that
@@ -143,6 +148,7 @@ class Chain:
     batch_fit: BatchFit | None = None
     tied: tuple[tuple[int, ...], ...] = ()
     copy_spread: tuple[tuple[float, float], ...] = ()
+    backward_call: float = 0.0
 
     def __post_init__(self) -> None:
         L = _length_of(self.fwd_time, "fwd_time")
@@ -152,6 +158,7 @@ class Chain:
         set_ = object.__setattr__  # frozen: normalise once here, never again
         set_(self, "fwd_time", _floats(self.fwd_time, "fwd_time", L))
         set_(self, "bwd_time", _floats(self.bwd_time, "bwd_time", L))
+        set_(self, "backward_call", _floats([self.backward_call], "backward_call", 1)[0])
         set_(self, "x", _ints(self.x, "x", L + 1))
         set_(self, "xbar", _ints(self.xbar, "xbar", L))
         set_(self, "fwd_tmp", _ints(zeros if self.fwd_tmp is None else self.fwd_tmp, "fwd_tmp", L))
@@ -235,8 +242,8 @@ class Chain:
 
     @property
     def store_all_time(self) -> float:
-        """Makespan with no recomputation: every forward and every backward once."""
-        return float(sum(self.fwd_time) + sum(self.bwd_time))
+        """Makespan with no recomputation: every forward and every backward once, in one backward call."""
+        return float(sum(self.fwd_time) + sum(self.bwd_time) + self.backward_call)
 
     @property
     def time_spread(self) -> float | None:
@@ -317,6 +324,8 @@ class Chain:
         d = {"format": CHAIN_FORMAT}
         for k in ("names", "fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp"):
             d[k] = list(getattr(self, k))
+        if self.backward_call:
+            d["backward_call"] = self.backward_call
         if self.bandwidth is not None:
             d["bandwidth"] = self.bandwidth
         if self.groups:
@@ -368,7 +377,7 @@ class Chain:
             groups=d.get("groups", ()), tags=d.get("tags"), shared=d.get("shared", ()), transit=d.get("transit"),
             consumed=d.get("consumed"), delta=d.get("delta"), nograd_tmp=d.get("nograd_tmp"),
             delta_through=d.get("delta_through"), consumed_shared=d.get("consumed_shared", ()),
-            tied=d.get("tied", ()), copy_spread=d.get("copy_spread", ()),
+            tied=d.get("tied", ()), copy_spread=d.get("copy_spread", ()), backward_call=d.get("backward_call", 0.0),
         )
 
     @classmethod

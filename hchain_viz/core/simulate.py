@@ -138,6 +138,9 @@ class Trace:
     idle: tuple[Idle, ...] = ()
     host_lifetimes: tuple[Lifetime, ...] = ()
     curve: tuple[tuple[float, int], ...] = ()
+    # Stages whose Fall joins the graph of the stage before it, so that one backward call runs through both
+    # (see _joins); each backward call is charged chain.backward_call once, at the B that starts it.
+    joined: frozenset[int] = frozenset()
 
     @property
     def makespan(self) -> float:
@@ -262,6 +265,9 @@ def _replay(chain: Chain, schedule: Schedule, record: bool) -> Any:
     top, end = x[0], 0.0  # without a record: the peak and the makespan so far
     link = _Link(chain, res, spans, opened, kept)  # the transfer channels (DESIGN §9); idle unless Off/Pre appear
     transfers = bool(schedule.n_transfers)
+    b_pos = {i: k for k, (kind, i) in enumerate(schedule.ops) if kind == "B"}
+    offloaded = {i for kind, i in schedule.ops if kind == "Off"}
+    joined: set[int] = set()
     if transfers and not record:  # the transfers' replay needs the record
         trace = _replay(chain, schedule, True)
         return trace.peak_memory, trace.makespan
@@ -333,6 +339,8 @@ def _replay(chain: Chain, schedule: Schedule, record: bool) -> Any:
             new = [(("delta", i), chain.delta_bytes[i])]
             # of δ_i, the part handed through from δ_{i+1} is no new memory (chain.delta_through)
             tmp, dt = chain.bwd_tmp[i] - chain.delta_through[i], chain.bwd_time[i]
+            if i + 1 not in joined:  # B(i) starts a backward call of its own
+                dt += chain.backward_call
             backward_done.add(i)
             kept.discard(i)
         else:  # forward ops
@@ -344,6 +352,10 @@ def _replay(chain: Chain, schedule: Schedule, record: bool) -> Any:
                 raise fail(f"x_{i + 1} is already resident; recomputing it would hold two copies")
             source = ("x", i) if ("x", i) in res else ("xbar", i - 1)  # the resident value that holds x_i
             if kind == "Fall":
+                if _joins(i, source, b_pos, offloaded):
+                    joined.add(i)
+                else:
+                    joined.discard(i)
                 if i == L - 1 and ("out", L) not in res:
                     new = tensors.create(("out", L), L, source, x[L]) + [(("xbar", i), xbar[i] - x[L])]
                 else:
@@ -414,10 +426,19 @@ def _replay(chain: Chain, schedule: Schedule, record: bool) -> Any:
         return top, end
     lifetimes = tuple(Lifetime(*span) for span in spans)
     if not link.used:  # remat only: the sequential numbers of DESIGN §3, exactly
-        return Trace(chain, schedule, tuple(Event(*e, lifetimes) for e in events), x[0], lifetimes)
+        return Trace(chain, schedule, tuple(Event(*e, lifetimes) for e in events), x[0], lifetimes,
+                     joined=frozenset(joined))
     events, curve = link.replay_memory(events, x[0])
     return Trace(chain, schedule, tuple(Event(*e, lifetimes) for e in events), x[0], lifetimes,
-                 tuple(link.idle), tuple(Lifetime(*h) for h in link.host_spans), curve)
+                 tuple(link.idle), tuple(Lifetime(*h) for h in link.host_spans), curve, frozenset(joined))
+
+
+def _joins(i: int, source: tuple, b_pos: dict[int, int], offloaded: set[int]) -> bool:
+    """Whether Fall(i) joins the graph of stage i-1, so that one backward call runs B(i) and B(i-1): it reads x_i from
+    inside x̄_{i-1} (``source``; not from a plain checkpoint, which starts a graph of its own), B(i-1) comes right
+    after B(i) (nothing needs δ_i on its own), and neither stage is offloaded (a transfer moves one stage's graph)."""
+    return (source == ("xbar", i - 1) and b_pos.get(i - 1) == b_pos.get(i, -2) + 1
+            and not {i - 1, i} & offloaded)
 
 
 class _Shared:

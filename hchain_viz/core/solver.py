@@ -243,9 +243,10 @@ def _finish(C, Cch, u, F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, ilo, i,
             cho[m] = _NONE
 
 
-def _tile(x, xs, xbar, tr, fwd, bwd, C, Cch, G, LOC, SAT, F, U, ihi, la):  # pragma: no cover - runs compiled
+def _tile(x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT, F, U, ihi, la):  # pragma: no cover - runs compiled
     """Fill the rows (i, l) of the block of stages ``i in [ilo, ihi]`` for the columns ``l`` of one tile: the block's
-    own columns when ``la <= ihi`` (then also its forward sums ``F``), else ``l in [la, la + _TILE)``. Reads the
+    own columns when ``la <= ihi`` (then also its forward sums ``F``, plus ``call``: a leaf's checkpoint x_j starts
+    the backward call of [j..l]), else ``l in [la, la + _TILE)``. Reads the
     block's earlier columns and, for the leaves beyond the block, the rows C[j, l] of every later block (j > ihi) at
     these columns, which must be final. ``F`` and ``U`` are the caller's scratch (``F`` kept across the block's
     tiles).
@@ -263,7 +264,7 @@ def _tile(x, xs, xbar, tr, fwd, bwd, C, Cch, G, LOC, SAT, F, U, ihi, la):  # pra
             s = 0.0
             for j in range(i + 1, L + 1):
                 s += fwd[j - 1]
-                F[i - ilo, j] = s
+                F[i - ilo, j] = s + call
         for l in range(ilo, ihi + 1):  # noqa: E741
             for i in range(ilo, l + 1):
                 C[_row(L, i, l)] = np.inf
@@ -297,17 +298,17 @@ def _columns(ihi, L):  # pragma: no cover - runs compiled
     return [max(0, ihi - _BLOCK + 1)] + list(range(ihi + 1, L, _TILE))
 
 
-def _fill_blocks(x, xs, xbar, tr, fwd, bwd, C, Cch, G, LOC, SAT):  # pragma: no cover - runs compiled
+def _fill_blocks(x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT):  # pragma: no cover - runs compiled
     """Every block of C on this thread: blocks from the last stage down, each tile by tile."""
     L = xbar.shape[0]
     F = np.empty((_BLOCK, L + 1))
     U = np.empty((_TILE, _BLOCK, C.shape[1]))
     for ihi in range(L - 1, -1, -_BLOCK):
         for la in _columns(ihi, L):
-            _tile(x, xs, xbar, tr, fwd, bwd, C, Cch, G, LOC, SAT, F, U, ihi, la)
+            _tile(x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT, F, U, ihi, la)
 
 
-def _spine(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, C, D, Dch):  # pragma: no cover - runs compiled
+def _spine(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, D, Dch):  # pragma: no cover - runs compiled
     """Fill D (rows i = 0..L) and its choices from the final C: the spine with the loss. D[., L] is the loss
     (creates δ_L), then i = L-1 .. 0."""
     L = xbar.shape[0]
@@ -324,8 +325,8 @@ def _spine(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, C, D, Dch):  # pragm
         cho[:] = _CHAIN
         g = xs[i, i + 1] + ntmp[i]  # the guard: forwards of i..j-1 before Fall(i), with x_i whole
         xL = xs[i, L]  # the held output, less what x_i holds of it
-        # Leaf options: Fck(i) Fn(i+1..j-1), [j..L] with x_j charged, then [i..j-1] after the loss, with the held
-        # output x_L charged.
+        # Leaf options: Fck(i) Fn(i+1..j-1), [j..L] with x_j charged (its own backward call), then [i..j-1] after the
+        # loss, with the held output x_L charged.
         fs = 0.0
         for j in range(i + 1, L + 1):
             if j - 1 > i:
@@ -334,7 +335,7 @@ def _spine(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, C, D, Dch):  # pragm
             xj = xs[i, j]
             lo = max(g, xj, xL)
             if lo < S1:
-                _leaf(out[lo:], cho[lo:], D[j, lo - xj:], C[_row(L, i, j - 1), lo - xL:S1 - xL], fs, j, False)
+                _leaf(out[lo:], cho[lo:], D[j, lo - xj:], C[_row(L, i, j - 1), lo - xL:S1 - xL], fs + call, j, False)
         # Chain option: Fall(i), [i+1..L] within m - xbar[i], B(i), which also holds x_L beside x̄_{i+1} unless
         # x_L is inside it (i == L-1); x_L was computed from the x_{i+1} inside x̄_{i+1}, so it costs what it does
         # beside x_{i+1}.
@@ -454,12 +455,14 @@ def _least_memory(x, xs, xbar, tr, co, ftmp, ntmp, btmp):  # pragma: no cover - 
     return Dm[0]
 
 
-def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, C, Cch, D, Dch, threads: int) -> None:
+def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, Cch, D, Dch, threads: int) -> None:
     """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices, on
     ``threads`` threads. Sizes in slots (see ``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes the gradients
     δ; ``xs[i, j]`` the part of x_j not in x_i, what a value x_j costs while x_i is resident (DESIGN §8); ``xbar`` the
     part of x̄_{i+1} not in x_i; ``tr[i]`` the transit part of x_i (rounded down), which Fall(i) frees; ``co[i]`` its
-    consumed part (rounded down), which B(i) frees.
+    consumed part (rounded down), which B(i) frees. ``call``: seconds of a backward call (``chain.backward_call``),
+    charged to each leaf option, whose checkpoint x_j starts a graph of its own; the chain option joins Fall(i+1)
+    to stage i's graph (see ``simulate._joins``). The top-level call is the caller's to add.
 
     Order: stages i descending, in blocks of _BLOCK; for each block, its own columns l, then l ascending in tiles of
     _TILE (``_tile``); then every entry read is final (C[j, l] has j > i, C[i, j-1] has j-1 < l; sizes of 0 read the
@@ -480,10 +483,10 @@ def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, C, Cch, D, Dch,
     k["bounds"](x, xs, xbar, tr, co, ftmp, ntmp, btmp, G, LOC, SAT)
     blocks = -(-L // _BLOCK)
     if threads <= 1 or blocks < 2:
-        k["blocks"](x, xs, xbar, tr, fwd, bwd, C, Cch, G, LOC, SAT)
+        k["blocks"](x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT)
     else:
-        _wavefront(k, (x, xs, xbar, tr, fwd, bwd, C, Cch, G, LOC, SAT), L, C.shape[1], min(threads, blocks))
-    k["spine"](x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, C, D, Dch)
+        _wavefront(k, (x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT), L, C.shape[1], min(threads, blocks))
+    k["spine"](x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, D, Dch)
 
 
 def _wavefront(k: dict[str, Any], args: tuple, L: int, S1: int, threads: int) -> None:
@@ -761,15 +764,8 @@ class Solution:
         return self._finish(tuple(map(Op, kinds, out[:n, 1].tolist())), meta)
 
     def _finish(self, ops: tuple[Op, ...], meta: dict) -> Schedule:
-        # The predicted makespan is summed in op order, exactly as the simulator adds it up.
-        t = 0.0
-        fwd, bwd = self.chain.fwd_time, self.chain.bwd_time
-        for kind, i in ops:
-            if kind == "B":
-                t += bwd[i]
-            elif kind != "Loss":
-                t += fwd[i]
-        meta["predicted_makespan"] = t
+        # The predicted makespan is the simulator's (one place that counts the backward calls).
+        meta["predicted_makespan"] = peak_and_makespan(self.chain, Schedule(ops))[1]
         return Schedule(ops, meta)
 
     def _infeasible(self, budget: int) -> InfeasibleBudget:
@@ -981,9 +977,9 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     D = np.empty((L + 1, slots + 1), np.float64)
     Dch = np.empty((L + 1, slots + 1), choice_type)
     _kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
-                       sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], C, Cch, D, Dch,
-                       solver_threads(threads))
-    D0 = D[0].copy()
+                       sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], chain.backward_call, C,
+                       Cch, D, Dch, solver_threads(threads))
+    D0 = D[0] + chain.backward_call  # the backward call that starts with B(L-1)
     del C, D  # only the choices (and the answers D[., 0]) are kept
     return Solution(chain, max_budget, slots, peak, sizes, Cch, Dch, D0)
 

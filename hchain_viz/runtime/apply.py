@@ -26,6 +26,7 @@ schedule's). Anything else that differs raises :class:`InputMismatch`. An applie
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Mapping
@@ -161,6 +162,8 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
         raise HChainError("a budget as device memory counts the optimizer's state: pass optimizer= (the training "
                           "step's optimizer), or give budget= (activation memory) instead")
     chain = profile(model, batch, loss_fn, optimizer=optimizer, granularity=granularity, progress=progress)
+    if native:  # one compiled graph: no group of stages runs a backward call of its own
+        chain = dataclasses.replace(chain, backward_call=0.0)
     sol = solve(chain)
     if device_memory is not None:
         schedule = sol.schedule(device_memory=device_memory)

@@ -6,6 +6,10 @@ own, in order, on the real output of the stage before (only one stage's autograd
 - ``fwd_time`` / ``bwd_time``: medians of ``repeats`` runs after ``warmup`` runs — a forward with autograd recording,
   then the backward from the output gradient (CUDA events on a GPU, ``perf_counter`` on the CPU). The last stage's
   output gradient is the real loss gradient; the others get a dense tensor of ones of the right size.
+  Each backward so timed is a call of its own; ``backward_call`` is what such a call costs beyond the stage's share
+  of a backward through several stages (the engine's start, the input gradients handed between calls), measured on
+  up to ``CALL_PAIRS`` pairs of neighbours run backward as one call and apart (:func:`_call_cost`); ``bwd_time`` is
+  the share, the measured time less ``backward_call``, which the simulator charges once per call (DESIGN §4).
 - ``x[i]``: bytes of stage i's input (``x[L]``: the network output, and the loss computed from it with the gradient
   its backward starts from, which the caller holds to the end of the step), each storage counted once.
 - ``xbar[i]``: the output plus what autograd saves for the backward, seen through
@@ -42,6 +46,7 @@ from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -149,6 +154,9 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         warmup = max(warmup, 1)  # compiling (forward on the first call, backward on the first backward) is untimed
 
     L = len(stages)
+    pairs = {int(round(k)) for k in np.linspace(1, L - 1, min(L - 1, CALL_PAIRS))} if L > 1 and gpu is None else set()
+    calls: list[float] = []  # per pair of neighbours: what the second backward call cost beyond the shares
+    prev: _StageProfile | None = None
     fwd, bwd, xs, xbar, ftmp, btmp = [0.0] * L, [0.0] * L, [nbytes(sample_input)] + [0] * L, [0] * L, [0] * L, [0] * L
     ntmp = [0] * L
     fwd_spread, bwd_spread = [0.0] * L, [0.0] * L
@@ -169,6 +177,9 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             signatures.append(_signature(module, h, getattr(module, "tag", "") or ""))
             r = _StageProfile(name, stage, module, h, dev, loss_fn if i == L - 1 else None, candidates, through)
             r.run(warmup, repeats)
+            if i in pairs and prev is not None and (c := _call_cost(prev, r, warmup, repeats)) is not None:
+                calls.append(c)
+            prev = r
             transit[i], consumed[i] = (r.transit_in, r.consumed_in) if i > 0 else (0, 0)
             delta[i], ntmp[i], handed[i] = r.delta_in, r.nograd_tmp, r.delta_through
             candidates, through = r.candidates_out, r.through_out
@@ -229,6 +240,10 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
                 fwd[i], bwd[i] = f, b
     else:
         tied = []
+    call = max(0.0, statistics.median(calls)) if calls else 0.0
+    if calls:
+        meta["backward_call"] = {"seconds": call, "per_pair": calls}
+        bwd = [max(0.0, b - call) for b in bwd]
     fixed = None
     if optimizer is not None:
         fixed = fixed_memory(params, [m for _, m in stages], [b for m in modules for b in m.buffers()], optimizer,
@@ -243,8 +258,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
                   tags=[getattr(m, "tag", "") or "" for _, m in stages], shared=shared,
                   consumed_shared=[n for n, j in enumerate(shared_ids) if j in eaten],
                   transit=transit, consumed=consumed, delta=delta, nograd_tmp=ntmp,
-                  delta_through=handed,
-                  tied=tied, copy_spread=copy_spread)
+                  delta_through=handed, tied=tied, copy_spread=copy_spread, backward_call=call)
     _warn_if_noisy(chain)
     return chain
 
@@ -291,6 +305,33 @@ def _identical(signatures: list[Any], xs: list[int], xbar: list[int]) -> list[tu
     for i, sig in enumerate(signatures):
         by.setdefault((sig, xs[i + 1], xbar[i]), []).append(i)
     return [tuple(v) for v in by.values() if len(v) > 1]
+
+
+# Pairs of neighbouring stages whose backward is timed as one call and apart (spread over the chain): what a call
+# costs is the median over them.
+CALL_PAIRS = 12
+
+
+def _call_cost(prev: _StageProfile, cur: _StageProfile, warmup: int, repeats: int) -> float | None:
+    """Seconds a backward call costs beyond its stages' shares, from two neighbours: per repeat, each one's own
+    backward (as the profile times it) plus the other's, less both run as one call through the joined graphs (as the
+    executor runs a Fall that joins the graph before it); the median over repeats. None when the two do not join:
+    a stage that writes into its input (the executor keeps it apart), or nothing of the output needs a gradient."""
+    if prev.writes_input or cur.writes_input:
+        return None
+    diffs = []
+    for k in range(warmup + repeats):
+        _, b_prev = prev._timed_once()
+        _, b_cur = cur._timed_once()
+        inp = prev._input()
+        outs, grads = cur._graded(cur._forward(prev._forward(inp)))
+        if not outs:
+            return None
+        joined = _timed(lambda outs=outs, grads=grads: torch.autograd.backward(outs, grads), cur.dev)
+        prev._clear_input_grads()
+        if k >= warmup:
+            diffs.append(b_prev + b_cur - joined)
+    return statistics.median(diffs)
 
 
 class _StageProfile:

@@ -101,8 +101,8 @@ class ScheduledModule(nn.Module):
         self.schedule = _as_schedule(schedule)
         self.preserve_rng_state = bool(preserve_rng_state)
         self.compile_options = compile_options(compile)
-        self.length, self._events = _check_grammar(self.schedule)
-        self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length, self._events)
+        self.length, self._joined = _check_grammar(self.schedule)
+        self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length, self._joined)
         self.stages: list[tuple[str, nn.Module]] | None = None
         self._stage_modules: list[nn.Module] = []
         self._stage_tensors: list[_LocalTensors] = []  # per stage: its parameters and buffers, read live each step
@@ -144,7 +144,7 @@ class ScheduledModule(nn.Module):
         self._grad_mask_for = None  # new stages: learn which cut tensors need a gradient again
         self._frees = None
         params = [{id(p) for p in m.parameters() if p.requires_grad} for m in self._stage_modules]
-        self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length, self._events,
+        self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length, self._joined,
                                                                             params)
         options = self.compile_options
         self._runners = (self._stage_modules if options is None
@@ -797,9 +797,9 @@ def _as_schedule(schedule: Any) -> Schedule:
     raise InvalidSchedule(f"wrap() needs a Schedule (or its text like 'Fall0 Loss B0'), got {type(schedule).__name__}")
 
 
-def _check_grammar(schedule: Schedule) -> tuple[int, list]:
-    """The schedule's stage count L (its Loss op) and its simulated events on a dummy chain of that length
-    (simulating checks the grammar)."""
+def _check_grammar(schedule: Schedule) -> tuple[int, frozenset[int]]:
+    """The schedule's stage count L (its Loss op) and the stages whose Fall joins the graph of the stage before,
+    simulated on a dummy chain of that length (simulating checks the grammar)."""
     losses = [op.stage for op in schedule.ops if op.kind == "Loss"]
     if len(losses) != 1:
         raise InvalidSchedule(f"a schedule has exactly one Loss op; this one has {len(losses)} ({schedule!r})")
@@ -807,7 +807,7 @@ def _check_grammar(schedule: Schedule) -> tuple[int, list]:
     if L < 1:
         raise InvalidSchedule("the schedule has no forward op before its Loss; it is for a chain of no stages")
     chain = Chain.homogeneous(L).with_bandwidth(1.0) if schedule.n_transfers else Chain.homogeneous(L)
-    return L, simulate(chain, schedule).events  # raises InvalidSchedule naming the first bad op
+    return L, simulate(chain, schedule).joined  # raises InvalidSchedule naming the first bad op
 
 
 def _length_mismatch(schedule: Schedule, L: int, stages: list[tuple[str, nn.Module]], model: nn.Module) -> HChainError:
@@ -819,39 +819,30 @@ def _length_mismatch(schedule: Schedule, L: int, stages: list[tuple[str, nn.Modu
     )
 
 
-def _compile(schedule: Schedule, L: int, events: list,
+def _compile(schedule: Schedule, L: int, joined: frozenset[int],
              params: list[set[int]] | None = None) -> tuple[list[_Op], list[_Op], list[int]]:
     """Split the ops at Loss; give each forward its role (_ONLY, _FIRST, _REPLAY) and say whether a Fall joins the
-    graph of the stage before it (``events``: the schedule's simulated events, for what is resident before each op).
-    Also, per stage i, the first stage k of the group B(i) belongs to.
+    graph of the stage before it. Also, per stage i, the first stage k of the group B(i) belongs to.
 
-    Fall(i) joins stage i-1's graph when it reads x_i from inside x̄_i (not from a plain checkpoint) and B(i-1)
-    comes right after B(i): then nothing needs δ_i on its own, and one backward runs both stages. Not when stage i
-    shares a parameter with its would-be group (``params``: ids of each stage's trainable parameters, once known):
-    one backward through two users of a weight (GPT-2's tied embedding and output layer) holds the first gradient
-    until the second arrives, beyond what the memory model charges; apart, each is added to ``.grad`` at once.
+    ``joined``: the stages whose Fall joins, as the simulator counts backward calls (``Trace.joined``: x_i read from
+    inside x̄_{i-1}, B(i-1) right after B(i), no transfer). Not when stage i shares a parameter with its would-be
+    group (``params``: ids of each stage's trainable parameters, once known): one backward through two users of a
+    weight (GPT-2's tied embedding and output layer) holds the first gradient until the second arrives, beyond what
+    the memory model charges; apart, each is added to ``.grad`` at once (one backward call more than simulated).
     """
     runs: dict[int, int] = {}
     for op in schedule.ops:
         if op.is_forward:
             runs[op.stage] = runs.get(op.stage, 0) + 1
-    b_pos = {op.stage: n for n, op in enumerate(schedule.ops) if op.kind == "B"}
-    offloaded = {op.stage for op in schedule.ops if op.kind == "Off"}
     seen: set[int] = set()
     ops: list[_Op] = []
-    joined_stages: set[int] = set()
-    for n, op in enumerate(schedule.ops):
-        role, joined = _ONLY, False
+    for op in schedule.ops:
+        role = _ONLY
         if op.is_forward:
             role = _REPLAY if op.stage in seen else (_FIRST if runs[op.stage] > 1 else _ONLY)
             seen.add(op.stage)
-        if op.kind == "Fall" and op.stage > 0:
-            plain = n > 0 and ("x", op.stage) in {(it.kind, it.stage) for it in events[n - 1].resident}
-            joined = (not plain and b_pos[op.stage - 1] == b_pos[op.stage] + 1
-                      and not {op.stage - 1, op.stage} & offloaded)  # transfers move one stage's graph at a time
-            if joined:
-                joined_stages.add(op.stage)
-        ops.append((op.kind, op.stage, role, joined))
+        ops.append((op.kind, op.stage, role, op.kind == "Fall" and op.stage in joined))
+    joined_stages = set(joined)
     group_start = list(range(L))
     for i in range(1, L):
         if i in joined_stages and params is not None:
@@ -859,7 +850,7 @@ def _compile(schedule: Schedule, L: int, events: list,
                 joined_stages.discard(i)
         if i in joined_stages:
             group_start[i] = group_start[i - 1]
-    ops = [(kind, i, role, joined and i in joined_stages) for kind, i, role, joined in ops]
+    ops = [(kind, i, role, joins and i in joined_stages) for kind, i, role, joins in ops]
     k = next(n for n, op in enumerate(ops) if op[0] == "Loss")
     return ops[:k], ops[k + 1:], group_start
 
