@@ -315,10 +315,8 @@ CALL_PAIRS = 12
 def _call_cost(prev: _StageProfile, cur: _StageProfile, warmup: int, repeats: int) -> float | None:
     """Seconds a backward call costs beyond its stages' shares, from two neighbours: per repeat, each one's own
     backward (as the profile times it) plus the other's, less both run as one call through the joined graphs (as the
-    executor runs a Fall that joins the graph before it); the median over repeats. None when the two do not join:
-    a stage that writes into its input (the executor keeps it apart), or nothing of the output needs a gradient."""
-    if prev.writes_input or cur.writes_input:
-        return None
+    executor runs a Fall that joins the graph before it); the median over repeats. None when nothing of the output
+    needs a gradient."""
     diffs = []
     for k in range(warmup + repeats):
         _, b_prev = prev._timed_once()
