@@ -265,12 +265,12 @@ def _replay(chain: Chain, schedule: Schedule, record: bool) -> Any:
     top, end = x[0], 0.0  # without a record: the peak and the makespan so far
     link = _Link(chain, res, spans, opened, kept)  # the transfer channels (DESIGN §9); idle unless Off/Pre appear
     transfers = bool(schedule.n_transfers)
-    b_pos = {i: k for k, (kind, i) in enumerate(schedule.ops) if kind == "B"}
-    offloaded = {i for kind, i in schedule.ops if kind == "Off"}
-    joined: set[int] = set()
     if transfers and not record:  # the transfers' replay needs the record
         trace = _replay(chain, schedule, True)
         return trace.peak_memory, trace.makespan
+    b_pos = {i: k for k, (kind, i) in enumerate(schedule.ops) if kind == "B"}  # where each backward runs (_joins)
+    offloaded = {i for kind, i in schedule.ops if kind == "Off"}
+    joined: set[int] = set()
     parts = {kind: (0,) * (L + 1) if transfers else getattr(chain, kind) for kind in _PARTS}
 
     def held(new: list[tuple[tuple, int]], boundary: int) -> list[tuple[tuple, int]]:

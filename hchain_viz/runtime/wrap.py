@@ -834,14 +834,6 @@ def _compile(schedule: Schedule, L: int, joined: frozenset[int],
     for op in schedule.ops:
         if op.is_forward:
             runs[op.stage] = runs.get(op.stage, 0) + 1
-    seen: set[int] = set()
-    ops: list[_Op] = []
-    for op in schedule.ops:
-        role = _ONLY
-        if op.is_forward:
-            role = _REPLAY if op.stage in seen else (_FIRST if runs[op.stage] > 1 else _ONLY)
-            seen.add(op.stage)
-        ops.append((op.kind, op.stage, role, op.kind == "Fall" and op.stage in joined))
     joined_stages = set(joined)
     group_start = list(range(L))
     for i in range(1, L):
@@ -850,7 +842,14 @@ def _compile(schedule: Schedule, L: int, joined: frozenset[int],
                 joined_stages.discard(i)
         if i in joined_stages:
             group_start[i] = group_start[i - 1]
-    ops = [(kind, i, role, joins and i in joined_stages) for kind, i, role, joins in ops]
+    seen: set[int] = set()
+    ops: list[_Op] = []
+    for op in schedule.ops:
+        role = _ONLY
+        if op.is_forward:
+            role = _REPLAY if op.stage in seen else (_FIRST if runs[op.stage] > 1 else _ONLY)
+            seen.add(op.stage)
+        ops.append((op.kind, op.stage, role, op.kind == "Fall" and op.stage in joined_stages))
     k = next(n for n, op in enumerate(ops) if op[0] == "Loss")
     return ops[:k], ops[k + 1:], group_start
 
