@@ -16,6 +16,7 @@ from torch import nn  # noqa: E402
 import hchain_viz as hcv  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")]
+from gloo import gloo_rank  # noqa: E402
 
 WORLD = 2
 
@@ -35,43 +36,39 @@ def _local_bytes(tensors) -> int:
     return total
 
 
-def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, schedule_json: str) -> None:
+@gloo_rank
+def _fsdp_worker(rank: int, world: int, out_dir: str, schedule_json: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        schedule = hcv.Schedule.from_json(schedule_json)
-        record = {}
-        for label in ("plain", "wrapped"):
-            model, x, y = _model()  # the same weights in both runs
-            for stage in model:
-                fully_shard(stage, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            net = hcv.wrap(model, schedule) if label == "wrapped" else model
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            xb, yb = x.chunk(world)[rank], y.chunk(world)[rank]
-            losses, grads = [], []
-            for _ in range(2):
-                loss = nn.functional.cross_entropy(net(xb), yb)
-                loss.backward()
-                losses.append(loss.detach().clone())
-                grads.append([p.grad.to_local().clone() for p in model.parameters()])
-                if label == "wrapped" and not record.get("fixed"):
-                    held_grads = _local_bytes(p.grad for p in model.parameters())
-                opt.step()
-                opt.zero_grad()
-            record[label] = (losses, grads)
-            if label == "wrapped":
-                state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-                record["fixed"] = {"params": _local_bytes(model.parameters()), "grads": held_grads,
-                                   "state": _local_bytes(state), "n_scalars": sum(t.dim() == 0 for t in state),
-                                   "buffers": _local_bytes(model.buffers())}
-        torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    schedule = hcv.Schedule.from_json(schedule_json)
+    record = {}
+    for label in ("plain", "wrapped"):
+        model, x, y = _model()  # the same weights in both runs
+        for stage in model:
+            fully_shard(stage, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        net = hcv.wrap(model, schedule) if label == "wrapped" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        xb, yb = x.chunk(world)[rank], y.chunk(world)[rank]
+        losses, grads = [], []
+        for _ in range(2):
+            loss = nn.functional.cross_entropy(net(xb), yb)
+            loss.backward()
+            losses.append(loss.detach().clone())
+            grads.append([p.grad.to_local().clone() for p in model.parameters()])
+            if label == "wrapped" and not record.get("fixed"):
+                held_grads = _local_bytes(p.grad for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+        record[label] = (losses, grads)
+        if label == "wrapped":
+            state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+            record["fixed"] = {"params": _local_bytes(model.parameters()), "grads": held_grads,
+                               "state": _local_bytes(state), "n_scalars": sum(t.dim() == 0 for t in state),
+                               "buffers": _local_bytes(model.buffers())}
+    torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_wrap_composes_with_fully_shard_on_two_gloo_processes(tmp_path):

@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from gloo import gloo_rank
 from torch import nn
 
 import hchain_viz as hcv
@@ -234,23 +235,18 @@ def test_adapters_added_after_applying_are_refused():
 
 
 # ---------------------------------------------------------------------------------------------- DDP
-def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, schedule_json: str) -> None:
-    import torch.distributed as dist
+@gloo_rank
+def _ddp_worker(rank: int, world: int, out_dir: str, schedule_json: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        record = {}
-        for label in ("plain", "applied"):
-            model, x, y = _mlp()
-            if label == "applied":
-                hcv.apply(model, hcv.Schedule.from_json(schedule_json))
-            losses = _two_steps(DDP(model), model, x, y, rank, world)
-            record[label] = (losses, [p.detach().clone() for p in model.parameters()])
-        torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    record = {}
+    for label in ("plain", "applied"):
+        model, x, y = _mlp()
+        if label == "applied":
+            hcv.apply(model, hcv.Schedule.from_json(schedule_json))
+        losses = _two_steps(DDP(model), model, x, y, rank, world)
+        record[label] = (losses, [p.detach().clone() for p in model.parameters()])
+    torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _two_steps(net, model, x, y, rank: int, world: int) -> list[torch.Tensor]:
@@ -282,28 +278,23 @@ def test_distributed_data_parallel_on_an_applied_model_gloo_two_processes(tmp_pa
     _two_ranks_train_like_plain(_ddp_worker, tmp_path)
 
 
-def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str, schedule_json: str) -> None:
-    import torch.distributed as dist
+@gloo_rank
+def _fsdp_worker(rank: int, world: int, out_dir: str, schedule_json: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        record = {}
-        for label in ("plain", "applied"):
-            model, x, y = _mlp()
-            for stage in model:
-                fully_shard(stage, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            if label == "applied":  # after sharding, on the root: its forward hooks run around the schedule
-                hcv.apply(model, hcv.Schedule.from_json(schedule_json))
-            losses = _two_steps(model, model, x, y, rank, world)
-            record[label] = (losses, [p.detach().to_local().clone() for p in model.parameters()])
-        torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    record = {}
+    for label in ("plain", "applied"):
+        model, x, y = _mlp()
+        for stage in model:
+            fully_shard(stage, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if label == "applied":  # after sharding, on the root: its forward hooks run around the schedule
+            hcv.apply(model, hcv.Schedule.from_json(schedule_json))
+        losses = _two_steps(model, model, x, y, rank, world)
+        record[label] = (losses, [p.detach().to_local().clone() for p in model.parameters()])
+    torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.slow

@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo import gloo_rank
 from torch import nn
 
 import hchain_viz as hcv
@@ -105,30 +105,26 @@ def test_gradient_accumulation_over_micro_batches(sname):
 
 
 # ---------------------------------------------------------------------------------------------- DDP
-def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, schedule_json: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        model, x, y = _model()
-        xb, yb = x.chunk(world)[rank], y.chunk(world)[rank]
-        schedule = hcv.Schedule.from_json(schedule_json)
-        record = {}
-        for label, wrapped in (("plain", False), ("wrapped", True)):
-            m = copy.deepcopy(model)
-            net = hcv.wrap(m, schedule) if wrapped else m
-            ddp = nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
-            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-            torch.manual_seed(3 + rank)
-            grads = []
-            for _ in range(2):
-                nn.functional.cross_entropy(ddp(xb), yb).backward()
-                grads.append([p.grad.clone() for p in m.parameters()])
-                opt.step()
-                opt.zero_grad()
-            record[label] = grads
-        torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+@gloo_rank
+def _ddp_worker(rank: int, world: int, out_dir: str, schedule_json: str) -> None:
+    model, x, y = _model()
+    xb, yb = x.chunk(world)[rank], y.chunk(world)[rank]
+    schedule = hcv.Schedule.from_json(schedule_json)
+    record = {}
+    for label, wrapped in (("plain", False), ("wrapped", True)):
+        m = copy.deepcopy(model)
+        net = hcv.wrap(m, schedule) if wrapped else m
+        ddp = nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        torch.manual_seed(3 + rank)
+        grads = []
+        for _ in range(2):
+            nn.functional.cross_entropy(ddp(xb), yb).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            opt.step()
+            opt.zero_grad()
+        record[label] = grads
+    torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_distributed_data_parallel_gloo_two_processes(tmp_path):
