@@ -26,6 +26,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -466,6 +467,9 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], tuple]:
     around new tensors, with the containers' own types (a Hugging Face ``ModelOutput``, a namedtuple)."""
     if isinstance(obj, torch.Tensor):
         return [obj], _TENSOR
+    if type(obj) in (list, tuple) and all(map(isinstance, obj, repeat(torch.Tensor))):
+        # the common cut (a DenseNet's feature maps, a residual stream and its value), taken on every op of a step
+        return list(obj), ("seq", type(obj), [_TENSOR] * len(obj))
     tensors: list[torch.Tensor] = []
     return tensors, _spec(obj, tensors)
 
@@ -484,6 +488,8 @@ def _spec(obj: Any, tensors: list[torch.Tensor]) -> tuple:
 def unflatten(spec: tuple, tensors: list[torch.Tensor]) -> Any:
     if spec is _TENSOR:
         return tensors[0]
+    if spec[0] == "seq" and spec[1] in (list, tuple) and all(c is _TENSOR for c in spec[2]):
+        return spec[1](tensors)  # flatten's common cut
     return _build(spec, iter(tensors))
 
 
