@@ -235,7 +235,30 @@ def _module_from_graph(graph: fx.Graph, attrs: dict[str, Any], model: nn.Module,
         setattr(parent, leaf, module)
     if any(t.startswith(_ROOT + ".") for t in targets):
         setattr(gm, _ROOT, _ModelView(model))
+    _read_directly(gm, targets, owners)
     return gm
+
+
+def _read_directly(gm: fx.GraphModule, targets: set[str], owners: set[str]) -> None:
+    """Let the generated code's ``self.a.b.c`` reach each submodule without ``nn.Module.__getattr__``.
+
+    Modules hold their children in ``_modules``, so every step of such a path is a Python call; densenet121's
+    sub-layer stages made four per submodule, 3000 a training step (about 2 ms of a 32 px step). The containers that
+    GraphModule made on the way (``gm`` and the plain ``nn.Module`` between it and the model's own modules) are
+    ours: each also gets its children as plain attributes, which Python finds first. The model's modules are left as
+    they are. ``setattr`` on a container still replaces both (``nn.Module.__setattr__`` drops the plain one); a deep
+    copy rebuilds the containers without them, which is slower and as right."""
+    for target in targets:
+        parts = target.split(".")
+        container: nn.Module = gm
+        for k, name in enumerate(parts[:-1] if target not in owners else parts):
+            child = container._modules.get(name)
+            if child is None or not (container is gm or type(container) is nn.Module):
+                break
+            object.__setattr__(container, name, child)
+            if ".".join(parts[:k + 1]) in owners:
+                break  # the model's own module from here on
+            container = child
 
 
 class _ModelView(nn.Module):
