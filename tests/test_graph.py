@@ -265,6 +265,39 @@ def test_parameters_and_buffers_are_shared_not_copied():
     assert torch.equal(run_stages(stages, xd), model(xd))
 
 
+def test_stages_reach_submodules_without_module_getattr_and_leave_the_model_alone():
+    torch.manual_seed(0)
+    model = TinyDenseNet()
+    before = {name: set(vars(m)) for name, m in model.named_modules()}
+    x = torch.randn(2, 3, 8, 8)
+    stages = assert_matches_eager(model, x, granularity="sublayer")
+    assert {name: set(vars(m)) for name, m in model.named_modules()} == before  # no plain attribute on the model
+    calls = []
+    real = nn.Module.__getattr__
+
+    def counting(self, name):
+        calls.append(name)
+        return real(self, name)
+
+    nn.Module.__getattr__ = counting
+    try:
+        run_stages(stages, x)
+    finally:
+        nn.Module.__getattr__ = real
+    stage_paths = {part for _, s in stages for n in s.gm.graph.nodes if n.op == "call_module" for part in
+                   n.target.split(".")}
+    assert not stage_paths & set(calls)  # the stages' own path walks hit plain attributes
+    # Replacing a submodule on a stage's container replaces what the generated code calls.
+    stage = next(s for _, s in stages if any(n.op == "call_module" and n.target.count(".") >= 2
+                                             for n in s.gm.graph.nodes))
+    target = next(n.target for n in stage.gm.graph.nodes if n.op == "call_module" and n.target.count(".") >= 2)
+    parent_path, _, leaf = target.rpartition(".")
+    parent = stage.gm.get_submodule(parent_path)
+    assert type(parent) is nn.Module  # one of the containers fx made
+    setattr(parent, leaf, nn.Identity())
+    assert getattr(parent, leaf) is parent._modules[leaf] and isinstance(parent._modules[leaf], nn.Identity)
+
+
 def test_granularity_finest_and_balanced():
     torch.manual_seed(0)
     model = TinyGPT(layers=2)
