@@ -158,3 +158,19 @@ def test_measured_measures_read_measured_points():
     least_fw = min(p for k, f, _, p, _ in runs if k == "sub" and f != "optimal")
     assert m["reach"] == min(p for k, f, _, p, _ in runs if f == "optimal") / least_fw < 1
     assert m["schedules"] == len(runs) and 0 <= m["hf_share"] <= 1 and m["ckpt_max"] >= m["ckpt_mean"]
+
+
+@pytest.mark.parametrize("starts", [(0,), (0, 7), (0, 4, 9, 13)])
+def test_native_checkpoint_sequential_is_charged_one_backward_call(starts):
+    """PyTorch's non-reentrant checkpoint_sequential recomputes each segment inside one backward call; the simulator
+    charges the executor's call per segment, which the bench's baseline must not pay."""
+    from hchain_viz import examples
+    from hchain_viz.bench.models import _native_time
+    from hchain_viz.core.simulate import simulate
+    from hchain_viz.core.strategies import _segmented
+
+    chain = examples.load("densenet121-module")
+    assert chain.backward_call > 0
+    schedule = _segmented(chain, starts, {})
+    executor = simulate(chain, schedule).makespan
+    assert executor - _native_time(chain, schedule) == pytest.approx((len(starts) - 1) * chain.backward_call)

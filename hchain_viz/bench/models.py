@@ -20,7 +20,8 @@ inception_v3``, batch 4 at 128-160 px) at ``module`` and ``sublayer`` granularit
 Pareto-efficient segment count n (measured peak, step time). At n's measured peak the optimum is solved on the
 granular chain; per granularity the table gives the stages, the least feasible budget (the solver's, and its ratio
 to module granularity's), and the mean gain over the Pareto-efficient n, measured and simulated (the optimum's
-predicted step time against checkpoint_sequential's on a profile of the user's chain). Measured: per round, the
+predicted step time against checkpoint_sequential's on a profile of the user's chain, run natively: one backward
+call for the step, where the executor starts one per segment). Measured: per round, the
 baseline and each granularity's optimum at its peak run back to back (a step of a CNN varies by about +-12% on
 its own, and a shared machine changes speed over seconds), each gain the median over rounds of that round's ratio;
 the rounds shuffle these groups. glibc is asked to keep freed memory (``keep_heap``), as a GPU's caching allocator
@@ -33,6 +34,7 @@ the op of the least schedule that sets its least budget (what is resident before
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 import warnings
@@ -354,7 +356,7 @@ def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list
                     runs[b] = (wrap(g_seq, schedule), simulate(chain, schedule).makespan)
             # checkpoint_sequential over the top-level children, replayed on this very profile (two profiles of a
             # busy machine differ by more than the gains): its segments start where those children start
-            ckpt_sim = [simulate(chain, _segmented(chain, _starts(user, chain.names, n), {})).makespan
+            ckpt_sim = [_native_time(chain, _segmented(chain, _starts(user, chain.names, n), {}))
                         for n in range(1, L + 1)]
             per_g.append((g, len(stages), chain, least, runs, ckpt_sim))
     # checkpoint_sequential's Pareto-efficient n, from a few rounds of its own
@@ -401,6 +403,16 @@ def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list
                      f"{m_gain / s_gain:.2f}" if s_gain else "n/a", f"{100 * mean(ceiling):+.1f}%",
                      f"{paired(executor, eager_samples):.2f}"))
     return rows, (floors, lines)
+
+
+def _native_time(chain: Any, schedule: Any) -> float:
+    """The simulated time of ``schedule`` run by PyTorch's non-reentrant checkpointing: one backward call for the
+    whole step, each segment recomputed inside it (from saved-tensor hooks). The executor, and so the simulator,
+    starts a backward call per segment, ``chain.backward_call`` each."""
+    from ..core.simulate import simulate
+
+    no_calls = dataclasses.replace(chain, backward_call=0.0)
+    return simulate(no_calls, schedule).makespan + chain.backward_call
 
 
 def _starts(user: list[tuple[str, nn.Module]], names: tuple[str, ...], segments: int) -> tuple[int, ...]:
