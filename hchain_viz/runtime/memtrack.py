@@ -488,7 +488,8 @@ def _spec(obj: Any, tensors: list[torch.Tensor]) -> tuple:
 def unflatten(spec: tuple, tensors: list[torch.Tensor]) -> Any:
     if spec is _TENSOR:
         return tensors[0]
-    if spec[0] == "seq" and spec[1] in (list, tuple) and all(c is _TENSOR for c in spec[2]):
+    if (spec[0] == "seq" and spec[1] in (list, tuple) and len(spec[2]) == len(tensors)
+            and all(c is _TENSOR for c in spec[2])):
         return spec[1](tensors)  # flatten's common cut
     return _build(spec, iter(tensors))
 
