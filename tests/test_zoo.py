@@ -256,7 +256,8 @@ def test_parallel_blocks_measure_at_or_below_every_prediction(name):
 
 def test_gqa_with_a_padding_mask_is_within_its_bound():
     """With a padding mask in the call, eager decides from the mask's values to skip it (is_causal SDPA with GQA);
-    a shape-specialised stage cannot, and keeps the explicit mask and repeated k, v: gradients are 1e-8 apart."""
+    a shape-specialised stage cannot, and keeps the explicit mask and repeated k, v: gradients were 1e-8 apart up to
+    transformers 5.24, and are bitwise equal from 5.25 on (eager keeps the mask too)."""
     model, inp = build("mistral")
     inp["attention_mask"] = torch.ones_like(inp["input_ids"])
     stages = extract_stages(model, inp)
@@ -268,4 +269,4 @@ def test_gqa_with_a_padding_mask_is_within_its_bound():
     twin(**_without_cache(twin, inp))["loss"].backward()
     errs = [((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
             for p, q in zip(model.parameters(), twin.parameters())]
-    assert 0 < max(errs) <= 1e-5
+    assert max(errs) <= 1e-5
