@@ -189,6 +189,12 @@ def test_bottlenecks_cut_after_each_convolution_carrying_the_skip():
                            "layer2.1.conv1", "layer2.1.conv2", "layer2.1.conv3", "head")
     assert [s.group for _, s in stages] == [None] * 3 + ["layer1.0"] * 3 + ["layer1.1"] * 3 + ["layer2.0"] * 4 \
         + ["layer2.1"] * 3 + [None]
+    # fx alone records `out += identity` as an add into a new tensor; the tracer records it in place, as eager runs
+    # it (one activation less per block), and the cut rules keep bn3, whose output it writes, in the stage of the add.
+    code = {name: stage.code for name, stage in stages}
+    assert [n for n, c in code.items() if "+=" in c] == ["layer1.0.conv3", "layer1.1.conv3", "layer2.0.downsample",
+                                                          "layer2.1.conv3"]
+    assert "bn3" in code["layer2.0.downsample"] and "bn3" not in code["layer2.0.conv3"]
     # Inside a block the cut carries (block input, current value): the skip is the tensor the block received, the
     # same object at every cut of the block (counted once by the profiler and the simulator).
     with torch.no_grad():

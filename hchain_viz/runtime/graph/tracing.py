@@ -44,10 +44,22 @@ class _Tracer(fx.Tracer):
 
     proxy_buffer_attributes = True  # self.mask[:, :, :T, :T] with a traced T needs the buffer as a graph value
 
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _InPlaceProxy(node, self)
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if any(isinstance(c, (nn.ModuleList, nn.Sequential)) for c in m.children()):
             return False
         return super().is_leaf_module(m, module_qualified_name)
+
+
+class _InPlaceProxy(fx.Proxy):
+    """fx's proxy has no ``__iadd__``, so ``out += identity`` traced as ``out = out + identity``: a new tensor where
+    eager adds in place (one more activation per residual block). Recorded as ``operator.iadd``, it runs as the
+    model runs it, and the cut rules see the write (values.py)."""
+
+    def __iadd__(self, other: object) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", operator.iadd, (self, other), {})
 
 
 def _accessor(x: fx.Node, keys: tuple, graph: fx.Graph) -> fx.Node:
