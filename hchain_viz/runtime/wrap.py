@@ -106,7 +106,6 @@ class ScheduledModule(nn.Module):
         self.stages: list[tuple[str, nn.Module]] | None = None
         self._stage_modules: list[nn.Module] = []
         self._stage_tensors: list[_LocalTensors] = []  # per stage: its parameters and buffers, read live each step
-        self._owners: list[nn.Module] = []  # the modules of every stage, in order
         self._runners: list[Any] = []  # what runs stage i: its module, or its compiled version
         self._stage_buffers: list[list[tuple[nn.Module, str]]] = []
         self._stats_buffers: list[list[tuple[nn.Module, str]]] = []
@@ -142,7 +141,6 @@ class ScheduledModule(nn.Module):
         self.stages = list(stages)
         self._stage_modules = [m for _, m in stages]
         self._stage_tensors = [_LocalTensors(m) for m in self._stage_modules]
-        self._owners = [m for t in self._stage_tensors for m in t.owners]  # every step reads their parameters
         self._grad_mask_for = None  # new stages: learn which cut tensors need a gradient again
         self._frees = None
         params = [{id(p) for p in m.parameters() if p.requires_grad} for m in self._stage_modules]
@@ -209,7 +207,7 @@ class ScheduledModule(nn.Module):
         whenever the parameters that require grad change. A no-grad forward (Fn, Fck) cannot tell, and guessing
         "every floating-point tensor" computed gradients for attention masks and rotary tables that eager never
         computes (memory the chain does not count)."""
-        params = tuple([p.requires_grad for m in self._owners for p in m._parameters.values() if p is not None])
+        params = tuple(p.requires_grad for t in self._stage_tensors for p in t.own_parameters())
         if self._grad_mask_for == params:
             return
         restore = buffer_snapshot(self._stage_modules)
