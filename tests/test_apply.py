@@ -348,11 +348,15 @@ def test_compiled_form_is_single_level_and_for_compile_fits_its_budget():
     flat = compiled_schedule(nested)
     assert str(flat) == str(hcv.Schedule.parse("Fck0 Fn1 Fn2 Fall3 Loss B3 Fall0 Fall1 Fall2 B2 B1 B0"))
     assert compiled_tree(segment_tree(flat)) == segment_tree(flat) and compiled_schedule(flat) is flat
+    assert flat.single_level and not nested.single_level  # stage 1 forwarded three times in the nested tree
     shared = nn.Linear(4, 4)
     assert grad_bytes([shared, nn.Linear(4, 2), shared]) == [0, 40, 80]  # shared: counted at its last stage
     for seed in range(4):
         chain = Chain.random(8, seed=seed)
         sol = solve(chain)
+        one = solve(chain, single_level=True)
+        # down to the single-level optimum's least budget (below it only nested schedules fit, which collapse)
+        assert for_compile(sol, one.min_budget, [0] * 8).single_level
         grads = [int(g) for g in np.random.default_rng(seed).integers(0, max(chain.x), 8)]
         for budget in np.linspace(sol.min_budget, sol.store_all_peak, 6).astype(int):
             s = sol.schedule(int(budget))
@@ -368,3 +372,5 @@ def test_compiled_form_is_single_level_and_for_compile_fits_its_budget():
             assert compiled_schedule(fit) is fit and compiled_peak(chain, fit, grads) <= budget
             if compiled_peak(chain, s, grads) <= budget:  # the DP's own schedule fits compiled: none slower
                 assert simulate(chain, fit).makespan <= simulate(chain, c).makespan + 1e-12
+            if budget >= one.min_budget and compiled_peak(chain, o := one.schedule(int(budget)), grads) <= budget:
+                assert simulate(chain, fit).makespan <= simulate(chain, o).makespan + 1e-12  # nor the single-level

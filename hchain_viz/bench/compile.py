@@ -17,16 +17,18 @@ configuration alike), with the spread (max - min over rounds, relative to the me
     python -m hchain_viz bench compile [--models resnet_chain,nanogpt] [--rounds 5] [--threads 1] [--small]
                                        [--budgets 1.0,0.7,0.5,0.3,0.1,0.0]
 
-``--native``: instead (models resnet_chain, nanogpt and Hugging Face's GPT-2 cut at sub-layer granularity, sizes
-from ``NATIVE``, changed with ``--set gpt2.seq=128``), the schedule applied in its native form
-(``hcv.apply(model, schedule, native=True)``: nested non-reentrant checkpoint regions) and the whole model compiled
-by ``torch.compile`` (inductor), against ``torch.compile``'s ``activation_memory_budget`` at equal measured memory
-(the allocator-event meter sees compiled code). Candidates are the DP schedules at ``--candidates`` budgets spread
-from the least to store-all, solved on the chain profiled with compiled stages (``--chain compiled``, the default:
-its saved tensors are inductor's, fewer than eager's) and taken in the form torch.compile runs them
-(``runtime/native.py``, NOTE [compiled memory]: single-level), each applied to its own copy of the model and compiled
-once; per compile budget, the fastest whose measured peak is at most compile's. ``meas/pred`` is the measured peak
-over ``compiled_peak`` (the simulator's peak of that form plus the parameter gradients the compiled backward holds).
+``--native``: instead (models resnet_chain and nanoGPT cut by module, Hugging Face's GPT-2 at sub-layer
+granularity, as ``NATIVE_CUT`` says or ``--granularity``; sizes from ``NATIVE``, changed with ``--set gpt2.seq=128``),
+the schedule applied in its native form (``hcv.apply(model, schedule, native=True)``: non-reentrant checkpoint
+regions) and the whole model compiled by ``torch.compile`` (inductor), against ``torch.compile``'s
+``activation_memory_budget`` at equal measured memory (the allocator-event meter sees compiled code). Candidates are
+the single-level optimum's schedules (``solve(chain, single_level=True)``: each stage recomputed at most once, the
+schedules torch.compile runs as scheduled, ``runtime/native.py``, NOTE [compiled memory]) at ``--candidates``
+budgets spread from its least to store-all, solved on the chain profiled with compiled stages (``--chain compiled``,
+the default: its saved tensors are inductor's, fewer than eager's), each applied to its own copy of the model and
+compiled once; per compile budget, the fastest whose measured peak is at most compile's. ``meas/pred`` is the
+measured peak over ``compiled_peak`` (the simulator's peak of that form plus the parameter gradients the compiled
+backward holds).
 Compiled graphs are cached on disk (``TORCHINDUCTOR_CACHE_DIR``, default ``~/.cache/hchain_viz/inductor``; FX graph
 and AOTAutograd caches on), so a rerun compiles little.
 """
@@ -49,12 +51,15 @@ SIZES = {  # CPU-sized demos (compiling is the slow part on a small machine)
     "nanogpt": dict(batch=4, seq=64, dim=64, heads=4, layers=4, vocab=128, dropout=0.1),
     "transformer_chain": dict(batch=4, seq=64, dim=64, layers=4, dropout=0.1),
 }
-# --native: sizes where one eager step takes >= 100 ms on one CPU thread, with few layers (compiling is per node)
+# --native: sizes where one eager step takes >= 100 ms on one CPU thread, deep enough (6-8 blocks) that a schedule
+# has room below compile's own knob, narrow enough to compile in minutes on a small machine
 NATIVE = {
-    "resnet_chain": dict(batch=16, image=64, width=16, blocks=(1, 1)),
-    "nanogpt": dict(batch=8, seq=128, dim=128, heads=4, layers=2, vocab=256, dropout=0.1),
-    "gpt2": dict(batch=8, seq=128, hidden=128, heads=4, layers=2, vocab=256),
+    "resnet_chain": dict(batch=16, image=64, width=16, blocks=(3, 3)),
+    "nanogpt": dict(batch=8, seq=128, dim=64, heads=4, layers=8, vocab=256, dropout=0.1),
+    "gpt2": dict(batch=8, seq=128, hidden=64, heads=4, layers=8, vocab=256),
 }
+# --native: how each model is cut (default: by module); --granularity overrides
+NATIVE_CUT = {"gpt2": "sublayer"}
 SMALL = {
     "gpt2": dict(batch=2, seq=16, hidden=32, heads=2, layers=2, vocab=64),
     "resnet_chain": dict(batch=2, image=16, width=8, blocks=(1, 1)),
@@ -83,6 +88,9 @@ def run(args: list[str]) -> None:
     parser.add_argument("--chain", choices=("compiled", "eager"), default="compiled",
                         help="--native: the chain the schedules are solved on and predicted by: profiled with "
                              "compiled stages (what inductor saves) or eager")
+    parser.add_argument("--granularity", choices=("module", "sublayer"), default=None,
+                        help="--native: how every model is cut (default: NATIVE_CUT, GPT-2 at sublayer, the demos "
+                             "by module)")
     parser.add_argument("--candidates", type=positive_int, default=6,
                         help="--native: DP schedules compiled (least budget to store-all)")
     opts = parser.parse_args(args)
@@ -107,7 +115,8 @@ def run(args: list[str]) -> None:
     native_sizes = _sizes(NATIVE, opts.set)
     for name in [n.strip() for n in opts.models.split(",")]:
         sizes = (SMALL if opts.small else native_sizes if opts.native else SIZES).get(name, {})
-        summary.append(_native(name, sizes, budgets, rounds, opts.candidates, opts.chain) if opts.native
+        summary.append(_native(name, sizes, budgets, rounds, opts.candidates, opts.chain, opts.granularity)
+                       if opts.native
                        else _one_model(name, sizes, budgets, rounds))
     print()
     for line in summary:
@@ -141,9 +150,9 @@ def _sizes(base: dict, changes: list[str]) -> dict:
     return out
 
 
-def _load(name: str, sizes: dict) -> tuple[nn.Module, Any, Any, str | None, Any]:
-    """(model, input, loss_fn, granularity, caller): a demo model, or ``gpt2`` (Hugging Face, cut inside its layers,
-    called by keywords: ``caller(m)`` is a module that calls ``m(**batch)``)."""
+def _load(name: str, sizes: dict) -> tuple[nn.Module, Any, Any, Any]:
+    """(model, input, loss_fn, caller): a demo model, or ``gpt2`` (Hugging Face, called by keywords: ``caller(m)``
+    is a module that calls ``m(**batch)``)."""
     import warnings
 
     from ..runtime import models
@@ -153,8 +162,8 @@ def _load(name: str, sizes: dict) -> tuple[nn.Module, Any, Any, str | None, Any]
             warnings.simplefilter("ignore")
             model, x, loss_fn = models.hf_model("gpt2", attn_implementation="eager", **sizes)
         model.config.use_cache = False
-        return model, x, loss_fn, "sublayer", _Keywords
-    return (*models.demo_model(name, **sizes), None, lambda m: m)
+        return model, x, loss_fn, _Keywords
+    return (*models.demo_model(name, **sizes), lambda m: m)
 
 
 class _Keywords(nn.Module):
@@ -258,8 +267,9 @@ def _one_model(name: str, sizes: dict, budgets: list[float], rounds: int) -> str
 
 
 def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candidates: int,
-            chain_kind: str = "compiled") -> str:
-    """The native form compiled whole (inductor) against torch.compile's activation_memory_budget, measured."""
+            chain_kind: str = "compiled", cut: str | None = None) -> str:
+    """The native form compiled whole (inductor) against torch.compile's activation_memory_budget, measured.
+    ``cut``: ``"module"`` or ``"sublayer"`` (None: as ``NATIVE_CUT`` says)."""
     import copy
 
     from ..core.simulate import simulate
@@ -272,7 +282,8 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
     from ..runtime.profile import profile
     from ..runtime.stages import sequentialize
 
-    model, x, loss_fn, granularity, caller = _load(name, sizes)
+    model, x, loss_fn, caller = _load(name, sizes)
+    granularity = {None: NATIVE_CUT.get(name), "module": None}.get(cut, cut)
     t0 = time.perf_counter()
     compiled = {b: caller(torch.compile(model, backend=budget_backend(b))) for b in budgets}
     c_peak = {b: measure(m, x, loss_fn, repeats=1).peak_bytes for b, m in compiled.items()}
@@ -281,7 +292,7 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
     # boolean dropout masks); the chain profiled with compiled stages says so, and solves for compiled speed.
     chain = profile(model, x, loss_fn, granularity=granularity, compile=chain_kind == "compiled", progress=False)
     grads = grad_bytes([m for _, m in sequentialize(model, x, granularity=granularity)])
-    sol = solve(chain)
+    sol = solve(chain, single_level=True)  # what torch.compile runs as scheduled (runtime/native.py)
     lo, hi = sol.min_budget, sol.store_all_peak
     cands: dict[tuple, tuple[Any, int, Any, nn.Module, int]] = {}
     for k in range(n_candidates):

@@ -118,6 +118,17 @@ class Schedule:
         return n
 
     @property
+    def single_level(self) -> bool:
+        """No stage is forwarded more than twice: each is recomputed at most once, so every checkpoint region holds
+        plain stages only (what ``solve(chain, single_level=True)`` returns, and what torch.compile runs as
+        scheduled, ``runtime/native.py``)."""
+        count: dict[int, int] = {}
+        for op in self.ops:
+            if op.is_forward:
+                count[op.stage] = count.get(op.stage, 0) + 1
+        return max(count.values(), default=0) <= 2
+
+    @property
     def n_transfers(self) -> int:
         """Number of ``Off`` and ``Pre`` ops (0 for a remat-only schedule)."""
         return sum(op.is_transfer for op in self.ops)

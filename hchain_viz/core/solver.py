@@ -308,6 +308,22 @@ def _fill_blocks(x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT):  # pragm
             _tile(x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT, F, U, ihi, la)
 
 
+def _fill_chains(x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT):  # pragma: no cover - runs compiled
+    """C with the chain option only (``solve(single_level=True)``): every sub-chain after the loss runs storing
+    everything, so a checkpoint region of the spine is recomputed once, its stages plainly (no region inside it).
+    O(S·L²): rows (i, l) for l ascending, i descending (the chain option reads (i+1, l))."""
+    L = xbar.shape[0]
+    S1 = C.shape[1]
+    keep = 1.0 + _TIE_RTOL
+    F = np.empty((1, L + 1))  # unread: _finish's leaf loop is empty when top == i
+    u = np.empty(S1)
+    for l in range(L):  # noqa: E741
+        for i in range(l, -1, -1):
+            C[_row(L, i, l)] = np.inf
+            Cch[_row(L, i, l)] = _CHAIN
+            _finish(C, Cch, u, F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, i, i, i, l, keep)
+
+
 def _spine(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, D, Dch):  # pragma: no cover - runs compiled
     """Fill D (rows i = 0..L) and its choices from the final C: the spine with the loss. D[., L] is the loss
     (creates δ_L), then i = L-1 .. 0."""
@@ -455,7 +471,8 @@ def _least_memory(x, xs, xbar, tr, co, ftmp, ntmp, btmp):  # pragma: no cover - 
     return Dm[0]
 
 
-def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, Cch, D, Dch, threads: int) -> None:
+def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, Cch, D, Dch, threads: int,
+                single_level: bool = False) -> None:
     """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices, on
     ``threads`` threads. Sizes in slots (see ``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes the gradients
     δ; ``xs[i, j]`` the part of x_j not in x_i, what a value x_j costs while x_i is resident (DESIGN §8); ``xbar`` the
@@ -476,13 +493,17 @@ def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, Cch, D
 
     Threads (``_wavefront``) take whole blocks, and a tile waits only for the same columns of the block above it, so
     the tables do not depend on the thread count, and a thread that waits sleeps instead of spinning.
+
+    ``single_level``: C without leaf options (``_fill_chains``), one thread; the spine as always.
     """
     k = _kernels()
     L = xbar.shape[0]
     G, LOC, SAT = (np.empty((L, L), np.int64) for _ in range(3))
     k["bounds"](x, xs, xbar, tr, co, ftmp, ntmp, btmp, G, LOC, SAT)
     blocks = -(-L // _BLOCK)
-    if threads <= 1 or blocks < 2:
+    if single_level:
+        k["chains"](x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT)
+    elif threads <= 1 or blocks < 2:
         k["blocks"](x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT)
     else:
         _wavefront(k, (x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT), L, C.shape[1], min(threads, blocks))
@@ -593,10 +614,11 @@ def _kernels() -> dict[str, Any]:
         # Callees first: a kernel resolves the helpers it calls through the module globals when it compiles.
         g = globals()
         for name in ("_row", "_sub_at", "_take_chain", "_bounds", "_useful_end", "_chain_time", "_leaf", "_leaves",
-                     "_finish", "_tile", "_columns", "_fill_blocks", "_spine", "_rebuild", "_least_memory"):
+                     "_finish", "_tile", "_columns", "_fill_blocks", "_fill_chains", "_spine", "_rebuild",
+                     "_least_memory"):
             g[name] = numba.njit(**_NUMBA_OPTIONS)(g[name])
         _compiled.update(fill=_fill_table, bounds=_bounds, tile=_tile, columns=_columns, blocks=_fill_blocks,
-                         spine=_spine, rebuild=_rebuild, least=_least_memory)
+                         chains=_fill_chains, spine=_spine, rebuild=_rebuild, least=_least_memory)
     return _compiled
 
 
@@ -607,6 +629,7 @@ class Solution:
     """The optimal makespan and schedule for every budget up to ``max_budget``, from one DP table.
 
     Attributes (bytes and seconds): ``chain``; ``max_budget``; ``slots`` (the table's memory resolution);
+    ``single_level`` (answers only with schedules that recompute each stage at most once, see :func:`solve`);
     ``unit`` (bytes per slot, ``max_budget / slots``); ``min_budget`` (least feasible budget at this resolution, None
     when nothing fits up to ``max_budget``); ``store_all_peak`` (peak of storing everything; at or above it the
     answer is exactly store-all, ``chain.store_all_time``).
@@ -625,8 +648,9 @@ class Solution:
     """
 
     def __init__(self, chain: Chain, max_budget: int, slots: int, store_all_peak: int, sizes: dict[str, np.ndarray],
-                 Cch: np.ndarray, Dch: np.ndarray, D0: np.ndarray) -> None:
+                 Cch: np.ndarray, Dch: np.ndarray, D0: np.ndarray, single_level: bool = False) -> None:
         self.chain = chain
+        self.single_level = single_level
         self.max_budget = int(max_budget)
         self.slots = int(slots)
         self.store_all_peak = int(store_all_peak)
@@ -674,7 +698,8 @@ class Solution:
     def _baselines(self) -> tuple[np.ndarray, np.ndarray, tuple]:
         """(peaks, makespans, entries) of the baselines' Pareto front up to ``max_budget``, peaks increasing."""
         if "base" not in self._cache:
-            front = tuple(c for c in baseline_frontier(self.chain) if c[0] <= self.max_budget)
+            every = baseline_frontier(self.chain, single_level=self.single_level)
+            front = tuple(c for c in every if c[0] <= self.max_budget)
             times = np.array([c[1] for c in front], np.float64)
             sat = self._store_all_time  # as the table's times: within the tie margin of it is store-all time
             times[times <= sat * (1.0 + _TIE_RTOL)] = sat
@@ -774,6 +799,12 @@ class Solution:
             msg = (f"no schedule fits in a budget of {budget} B ({_mib(budget)}); the least feasible budget is "
                    f"{least} B ({_mib(least)}) at this resolution ({self.slots} slots of {format_bytes(self.unit)}); "
                    f"give at least that")
+        elif self.single_level:
+            least = least_budget(self.chain)
+            msg = (f"no schedule that recomputes each stage at most once fits up to max_budget "
+                   f"{self.max_budget} B ({_mib(self.max_budget)}) at this resolution ({self.slots} slots); solve "
+                   f"again with a larger max_budget (any schedule needs at least {least} B, and a single level of "
+                   f"checkpoints usually more)")
         else:
             least = least_budget(self.chain)
             if least <= budget:  # feasible in bytes, lost to rounding sizes up to whole slots
@@ -935,7 +966,7 @@ def least_budget(chain: Chain) -> int:
 
 
 def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *, offload: bool = False,
-          grid: Any = None, threads: int | None = None) -> Solution:
+          grid: Any = None, threads: int | None = None, single_level: bool = False) -> Solution:
     """Solve ``chain`` for every budget up to ``max_budget`` at once.
 
     ``offload=True``: also offload to host memory over ``chain.bandwidth`` (DESIGN §9) and return an
@@ -948,8 +979,16 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     exact). Time O(slots·L³), memory about ``slots·L²·5`` bytes while building (only the int16 choices are kept).
     ``threads``: threads of the table fill (default: the free cores, see :func:`solver_threads`); the table does not
     depend on it.
+
+    ``single_level=True``: the optimum over schedules that recompute each stage at most once (every checkpoint region
+    on the spine, its stages recomputed plainly; no region inside a region), in O(slots·L²). ``torch.compile`` of the
+    whole model runs exactly these as scheduled (``runtime/native.py``, NOTE [compiled memory]); the full optimum's
+    low budgets nest regions, which a compiled backward collapses.
     """
     chain = _check_chain(chain)
+    if offload and single_level:
+        raise HChainError("single_level=True is for the native form (torch.compile of the whole model), which has no "
+                          "offloading; solve with one of offload=True or single_level=True")
     if offload:
         from .offload import solve_offload
 
@@ -978,10 +1017,10 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     Dch = np.empty((L + 1, slots + 1), choice_type)
     _kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
                        sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], chain.backward_call, C,
-                       Cch, D, Dch, solver_threads(threads))
+                       Cch, D, Dch, solver_threads(threads), single_level)
     D0 = D[0] + chain.backward_call  # the backward call that starts with B(L-1)
     del C, D  # only the choices (and the answers D[., 0]) are kept
-    return Solution(chain, max_budget, slots, peak, sizes, Cch, Dch, D0)
+    return Solution(chain, max_budget, slots, peak, sizes, Cch, Dch, D0, single_level)
 
 
 # optimal_schedule's finer table: at most this much work (slots x L^3; L = 500 at 500 slots is 6e10, ~3 s) and this

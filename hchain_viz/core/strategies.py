@@ -443,13 +443,15 @@ def _candidates(chain: Chain) -> dict[str, list[tuple[int, float, str, Schedule]
     return {name: [(*_score(chain, s), label, s) for label, s in ss] for name, ss in families.items()}
 
 
-@lru_cache(maxsize=16)
-def baseline_frontier(chain: Chain) -> tuple[tuple[int, float, str, Schedule], ...]:
+@lru_cache(maxsize=32)
+def baseline_frontier(chain: Chain, single_level: bool = False) -> tuple[tuple[int, float, str, Schedule], ...]:
     """The Pareto front of every baseline schedule of every applicable family (:func:`frontier_points`), as
     ``(peak, makespan, label, schedule)`` sorted by peak (makespans then strictly decrease): at a budget b, the
     fastest baseline that fits is the last entry with ``peak <= b``. Cached per chain; what the optimal solver checks
-    its answers against (DESIGN §10)."""
-    every = sorted((c for cands in _candidates(chain).values() for c in cands), key=lambda c: (c[0], c[1], c[2]))
+    its answers against (DESIGN §10). ``single_level``: only the baselines that recompute each stage at most once
+    (``Schedule.single_level``)."""
+    every = sorted((c for cands in _candidates(chain).values() for c in cands
+                    if not single_level or c[3].single_level), key=lambda c: (c[0], c[1], c[2]))
     out: list[tuple[int, float, str, Schedule]] = []
     for c in every:
         if not out or c[1] < out[-1][1]:

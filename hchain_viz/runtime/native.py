@@ -40,7 +40,9 @@ the partitioned backward graph (``bench compile --native``, DESIGN §5), two thi
   whole backward ends (eagerly, each is added into ``.grad`` and freed at once).
 
 :func:`compiled_peak` is the simulator's peak of :func:`compiled_schedule` plus the gradients held at each op;
-:func:`for_compile` picks, for a budget, the fastest schedule whose compiled peak fits. ``hcv.apply(..., native=True)``
+:func:`for_compile` picks, for a budget, the fastest schedule whose compiled peak fits, from the optimum over
+single-level schedules (``solve(chain, single_level=True)``: exact over them, checked against every such schedule
+simulated). ``hcv.apply(..., native=True)``
 warns when a compiled model's schedule may exceed the peak it was chosen for.
 """
 
@@ -192,28 +194,33 @@ def _held_peak(trace: Any, grads: list[int]) -> int:
 
 
 def for_compile(solution: Any, budget: int, grads: list[int]) -> Schedule:
-    """The fastest schedule of ``solution`` (a :class:`~hchain_viz.Solution`) whose compiled native form fits
-    ``budget`` (:func:`compiled_peak`), returned as that form (single-level: eager and compiled run the same
-    recomputations). Raises :class:`~hchain_viz.InvalidSchedule` when none fits."""
+    """The fastest single-level schedule whose compiled native form fits ``budget`` (:func:`compiled_peak`, with the
+    parameter gradients ``grads`` held to the end of the backward). Candidates, each checked by the simulator: the
+    single-level optimum (``solve(chain, single_level=True)``, at ``solution``'s resolution; ``solution`` itself
+    when it is single-level) at budgets from ``budget`` down to its least, and the compiled forms of ``solution``'s
+    own schedules there. Raises :class:`~hchain_viz.InvalidSchedule` when none fits."""
     from ..core.simulate import simulate
+    from ..core.solver import solve
 
     chain = solution.chain
+    one = solution if solution.single_level else solve(chain, solution.max_budget, solution.slots, single_level=True)
     best, seen = None, set()
-    lo = solution.min_budget
-    for k in range(33):  # budgets from `budget` down to the least: the DP's schedules there, in compiled form
-        b = budget - (budget - lo) * k // 32
-        if b < lo:
-            break
-        try:
-            s = compiled_schedule(solution.schedule(b))
-        except NotNative:  # a baseline that is no tree (never the DP's own schedules)
+    for source in {id(one): one, id(solution): solution}.values():
+        lo = source.min_budget
+        if lo is None or lo > budget:
             continue
-        if s.ops in seen:
-            continue
-        seen.add(s.ops)
-        trace = simulate(chain, s)  # s is its own compiled form: one replay gives both the peak and the time
-        if _held_peak(trace, grads) <= budget and (best is None or trace.makespan < best[0]):
-            best = (trace.makespan, s)
+        for k in range(33):  # budgets from `budget` down to the least: the table's schedules there, in compiled form
+            b = budget - (budget - lo) * k // 32
+            try:
+                s = compiled_schedule(source.schedule(b))
+            except NotNative:  # a baseline that is no tree (never the DP's own schedules)
+                continue
+            if s.ops in seen:
+                continue
+            seen.add(s.ops)
+            trace = simulate(chain, s)  # s is its own compiled form: one replay gives both the peak and the time
+            if _held_peak(trace, grads) <= budget and (best is None or trace.makespan < best[0]):
+                best = (trace.makespan, s)
     if best is None:
         raise InvalidSchedule(f"no schedule of this chain fits {budget} bytes when compiled whole (the parameter "
                               f"gradients alone are {sum(grads)} bytes until the backward ends); raise the budget or "
