@@ -12,7 +12,8 @@ For each demo model, all in one process, CPU, measured (never predicted) peaks a
   schedule, and both against eager.
 
 Step times are medians of interleaved rounds (shuffled order each round, so load on a shared machine hits every
-configuration alike), with the spread (max - min over rounds, relative to the median).
+configuration alike), with the spread (max - min over rounds, relative to the median); a speedup is the median over
+rounds of the ratio of the two steps run in the same round.
 
     python -m hchain_viz bench compile [--models resnet_chain,nanogpt] [--rounds 5] [--threads 1] [--small]
                                        [--budgets 1.0,0.7,0.5,0.3,0.1,0.0]
@@ -242,10 +243,10 @@ def _one_model(name: str, sizes: dict, budgets: list[float], rounds: int) -> str
             w, peak, s = ours
             pred = _predicted(chains["compiled"], s)
             ot = t_of[id(w)]
-            speedups.append(ct[0] / ot[0])
+            speedups.append(_speedup(ct, ot))
             ratios.append(peak / pred)
             gw = _grads(model, w, x, loss_fn)
-            row += [format_bytes(peak), f"{peak / pred:.3f}", _fmt_t(ot, format_time), f"{ct[0] / ot[0]:.2f}x",
+            row += [format_bytes(peak), f"{peak / pred:.3f}", _fmt_t(ot, format_time), f"{speedups[-1]:.2f}x",
                     _err(gw, ref_stages), _err(gw, ref_eager)]
         eo = best("eager", c_peak[b])
         row += ["(none fits)", ""] if eo is None else [format_bytes(eo[1]), _fmt_t(t_of[id(eo[0])], format_time)]
@@ -321,10 +322,10 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
             continue
         cm, peak, s, twin, pred = min(fits, key=lambda c: t_of[id(c[0])][0])
         ot = t_of[id(cm)]
-        speedups.append(ct[0] / ot[0])
+        speedups.append(_speedup(ct, ot))
         g = _grads(twin, cm, x, loss_fn)
         rows.append(row + [format_bytes(peak), f"{peak / pred:.3f}", str(s.n_recomputed), _fmt_t(ot, format_time),
-                           f"{ct[0] / ot[0]:.2f}x", "-" if ref_c1 is None else _err(g, ref_c1)])
+                           f"{speedups[-1]:.2f}x", "-" if ref_c1 is None else _err(g, ref_c1)])
     low = min(cands.values(), key=lambda c: c[1])
     ratios = [c[1] / c[4] for c in cands.values()]
     print()
@@ -417,9 +418,9 @@ def _fmt_t(stat: tuple[float, float], format_time: Any) -> str:
     return f"{format_time(stat[0])} ±{100 * stat[1]:.0f}%"
 
 
-def _interleaved(modules: list[Any], x: Any, loss_fn: Any, rounds: int) -> list[tuple[float, float]]:
-    """(median step time, spread) of each module: one step of each per round, in a shuffled order, after a
-    warm-up round; spread = (max - min) / median / 2 over the rounds."""
+def _interleaved(modules: list[Any], x: Any, loss_fn: Any, rounds: int) -> list[tuple[float, float, list[float]]]:
+    """(median step time, spread, the time of each round) of each module: one step of each per round, in a shuffled
+    order, after a warm-up round; spread = (max - min) / median / 2 over the rounds."""
     from ..runtime.measure import fresh_copy
 
     params = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values()
@@ -445,5 +446,11 @@ def _interleaved(modules: list[Any], x: Any, loss_fn: Any, rounds: int) -> list[
     out = []
     for s in samples:
         med = statistics.median(s)
-        out.append((med, (max(s) - min(s)) / med / 2))
+        out.append((med, (max(s) - min(s)) / med / 2, s))
     return out
+
+
+def _speedup(base: tuple, other: tuple) -> float:
+    """How much faster ``other`` ran than ``base`` (stats of :func:`_interleaved`): the median over rounds of the
+    ratio of their steps in the same round, so a slow spell of the machine hits both sides of each ratio."""
+    return statistics.median(b / o for b, o in zip(base[2], other[2]))
