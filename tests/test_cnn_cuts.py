@@ -269,3 +269,24 @@ def test_bench_replays_checkpoint_sequential_over_the_children_on_a_finer_chain(
     dense = [(n, nn.Identity()) for n in ("conv0", "norm0+relu0", "denseblock1", "transition1", "norm5")]
     assert _starts(dense, ("features.conv0", "features.norm0+features.relu0", "features.denseblock1",
                            "features.transition1.conv", "features.norm5"), 5) == (0, 1, 2, 3, 4)
+
+
+def test_an_nn_sequential_of_residual_blocks_is_cut_inside_them():
+    """A model that is an nn.Sequential of blocks (the resnet_chain demo) is cut inside its blocks at sub-layer
+    granularity, as a torchvision ResNet is (it used to be taken as its children at every granularity); by module,
+    its children stay the stages. A wrap after the profile takes the profile's cut, and trains like eager."""
+    from hchain_viz.runtime.models import demo_model
+
+    model, x, _ = demo_model("resnet_chain", batch=2, image=16, width=8, blocks=(1, 2))
+    assert [n for n, _ in hcv.sequentialize(model, x)] == ["stem", "layer1.0", "layer2.0", "layer2.1", "avgpool",
+                                                            "flatten", "fc"]
+    chain, stages = _trains_like_eager(model, x)
+    assert {"layer1.0.conv1", "layer2.0.conv1", "layer2.1.conv1", "layer2.1.conv2"} <= set(chain.names)
+    schedule = hcv.solve(chain).schedule(hcv.solve(chain).min_budget)
+    twin = copy.deepcopy(model)
+    wrapped = hcv.wrap(model, schedule)  # no sample input: the stages of the profile
+    torch.manual_seed(1)
+    _loss(wrapped(x)).backward()
+    torch.manual_seed(1)
+    _loss(twin(x)).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters()))

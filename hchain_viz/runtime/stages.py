@@ -21,6 +21,8 @@ its input is the predecessor's private output then, never a checkpoint someone e
 
 from __future__ import annotations
 
+import warnings
+
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -58,17 +60,25 @@ def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | in
             f"compiled on its own"
         )
     stages, kind = _structural_stages(model)
-    if sample_input is None and kind not in ("sequential", "list"):
+    if sample_input is None and kind != "list":
         # A model profiled before (profile(model, x)) keeps its extracted stages: the same cut as the profile.
         from .graph import cached_stages
 
         cached = cached_stages(model) if granularity is None else cached_stages(model, granularity)
         if cached is not None:
             return cached
-    if kind == "duck" and sample_input is not None and granularity not in (None, "module"):
-        # Finer than whole blocks (cuts inside a residual or dense block, balanced stages): the model's graph.
-        return _extract(model, sample_input, granularity,
-                        why=f"granularity={granularity!r} cuts inside the blocks of the {type(model).__name__}")
+    if kind in ("duck", "sequential") and sample_input is not None and granularity not in (None, "module"):
+        # Finer than whole blocks (cuts inside a residual or dense block, balanced stages): the model's graph. An
+        # nn.Sequential of blocks is cut inside its blocks too, or, where its graph cannot be traced, by its children.
+        why = f"granularity={granularity!r} cuts inside the blocks of the {type(model).__name__}"
+        if kind == "duck":
+            return _extract(model, sample_input, granularity, why=why)
+        try:
+            return _extract(model, sample_input, granularity, why=why)
+        except NotSequentialError as e:
+            warnings.warn(f"granularity={granularity!r}: the {type(model).__name__}'s graph could not be cut inside "
+                          f"its blocks ({e}); its children are the stages, as at granularity='module'",
+                          stacklevel=2)
     if stages is None:
         if sample_input is None:
             raise NotSequentialError(
