@@ -301,6 +301,7 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
         if s.ops in cands:
             continue
         twin = copy.deepcopy(model)
+        sequentialize(twin, x, granularity=granularity)  # the copy's own cut (an nn.Sequential's is not its children)
         apply(twin, s, chain=chain, native=True)
         cm = caller(torch.compile(twin))
         cands[s.ops] = (cm, measure(cm, x, loss_fn, repeats=1).peak_bytes, s, twin, compiled_peak(chain, s, grads))

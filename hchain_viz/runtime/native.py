@@ -248,7 +248,9 @@ class NativeSchedule:
             self._set_stages(stages)
         elif stages is not None and len(stages) != self.length:
             raise InvalidSchedule(f"the schedule is for a chain of {self.length} stages but {type(model).__name__} "
-                                  f"has {len(stages)}; solve a chain profiled on this model")
+                                  f"has {len(stages)}; solve a chain profiled on this model (profiled at a finer "
+                                  f"granularity: profile this very model object, or call hcv.sequentialize(model, "
+                                  f"x, granularity=...) on it first, so that its cut is known)")
 
     def _set_stages(self, stages: list[tuple[str, nn.Module]]) -> None:
         self.stages = list(stages)

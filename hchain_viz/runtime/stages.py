@@ -22,7 +22,6 @@ its input is the predecessor's private output then, never a checkpoint someone e
 from __future__ import annotations
 
 import warnings
-
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any

@@ -814,7 +814,8 @@ def _length_mismatch(schedule: Schedule, L: int, stages: list[tuple[str, nn.Modu
     return InvalidSchedule(
         f"the schedule is for a chain of {L} stages but {type(model).__name__} has {len(stages)} stages ({names}); "
         f"build the schedule from a chain profiled on this model (hcv.profile(model, x)) or from a chain of "
-        f"length {len(stages)}"
+        f"length {len(stages)}. (A chain profiled at a finer granularity: profile this very model object, or call "
+        f"hcv.sequentialize(model, x, granularity=...) on it first, so that its cut is known.)"
     )
 
 
