@@ -374,3 +374,13 @@ def test_compiled_form_is_single_level_and_for_compile_fits_its_budget():
                 assert simulate(chain, fit).makespan <= simulate(chain, c).makespan + 1e-12
             if budget >= one.min_budget and compiled_peak(chain, o := one.schedule(int(budget)), grads) <= budget:
                 assert simulate(chain, fit).makespan <= simulate(chain, o).makespan + 1e-12  # nor the single-level
+
+
+def test_checkpoint_native_with_room_for_store_all_and_its_held_gradients_recomputes_nothing():
+    """A budget above the store-all peak plus the gradients the compiled backward holds is store-all in the native
+    form too (the budget was capped at the store-all peak, where the held gradients no longer fit, so it recomputed)."""
+    from hchain_viz.runtime.models import demo_model
+
+    model, x, loss_fn = demo_model("resnet_chain", batch=2, image=16, width=8, blocks=(1, 2))
+    hcv.checkpoint(model, x, budget="1MiB", loss_fn=loss_fn, native=True, progress=False, verbose=False)
+    assert vars(model)["_hcv_applied"].schedule.n_recomputed == 0
