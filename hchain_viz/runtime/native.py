@@ -61,6 +61,7 @@ from ..core.chain import Chain
 from ..core.schedule import Op, Schedule
 from ..errors import InvalidSchedule
 from .stages import sequentialize
+from .wrap import _length_mismatch
 
 __all__ = ["NativeSchedule", "NotNative", "segment_tree", "tree_ops", "Region", "compiled_tree", "compiled_schedule",
            "grad_bytes", "compiled_peak", "for_compile"]
@@ -247,10 +248,7 @@ class NativeSchedule:
         if stages is not None and len(stages) == self.length:
             self._set_stages(stages)
         elif stages is not None and len(stages) != self.length:
-            raise InvalidSchedule(f"the schedule is for a chain of {self.length} stages but {type(model).__name__} "
-                                  f"has {len(stages)}; solve a chain profiled on this model (profiled at a finer "
-                                  f"granularity: profile this very model object, or call hcv.sequentialize(model, "
-                                  f"x, granularity=...) on it first, so that its cut is known)")
+            raise _length_mismatch(schedule, self.length, stages, model)
 
     def _set_stages(self, stages: list[tuple[str, nn.Module]]) -> None:
         self.stages = list(stages)
@@ -260,9 +258,7 @@ class NativeSchedule:
         if self.stages is None:
             stages = sequentialize(self.model, x)
             if len(stages) != self.length:
-                raise InvalidSchedule(f"the schedule is for a chain of {self.length} stages but "
-                                      f"{type(self.model).__name__} has {len(stages)}; solve a chain profiled on "
-                                      f"this model")
+                raise _length_mismatch(self.schedule, self.length, stages, self.model)
             self._set_stages(stages)
 
     def _forget_draws(self) -> None:  # nothing learned across steps: torch.utils.checkpoint stashes RNG per region

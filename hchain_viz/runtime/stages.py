@@ -69,12 +69,12 @@ def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | in
     if kind in ("duck", "sequential") and sample_input is not None and granularity not in (None, "module"):
         # Finer than whole blocks (cuts inside a residual or dense block, balanced stages): the model's graph. An
         # nn.Sequential of blocks is cut inside its blocks too, or, where its graph cannot be traced, by its children.
-        why = f"granularity={granularity!r} cuts inside the blocks of the {type(model).__name__}"
-        if kind == "duck":
-            return _extract(model, sample_input, granularity, why=why)
         try:
-            return _extract(model, sample_input, granularity, why=why)
+            return _extract(model, sample_input, granularity,
+                            why=f"granularity={granularity!r} cuts inside the blocks of the {type(model).__name__}")
         except NotSequentialError as e:
+            if kind == "duck":
+                raise
             warnings.warn(f"granularity={granularity!r}: the {type(model).__name__}'s graph could not be cut inside "
                           f"its blocks ({e}); its children are the stages, as at granularity='module'",
                           stacklevel=2)
