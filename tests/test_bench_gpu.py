@@ -99,10 +99,13 @@ def test_dry_run_writes_every_section_without_plotly(tmp_path, no_widgets):
     # the train comparison, through bench train's own code
     train = report.split("on CUDA: optimal vs")[2].split("\n## ")[0]
     assert "configuration" in train and "average throughput gain over checkpoint_sequential" in train
-    # the parallel features: a table where they exist, else one line
+    # sub-layer and whole-step tables (a stale feature probe once wrote "not available" here, silently)
     for title in ("Sub-layer granularity", "Whole-step memory"):
         body = report.split(f"## {title}")[1].split("\n## ")[0]
-        assert "not available in this build" in body or "| schedule |" in body
+        assert "| schedule |" in body and "not available" not in body
+    # the native form compiled whole, through bench compile's own code
+    native = report.split("## torch.compile of the whole model")[1].split("\n## ")[0]
+    assert "nanogpt native: vs torch.compile budget at equal measured memory" in native
 
 
 def test_a_failing_or_hanging_section_keeps_what_it_wrote(tmp_path):

@@ -94,7 +94,12 @@ def run(args: list[str]) -> None:
                              "by module)")
     parser.add_argument("--candidates", type=positive_int, default=6,
                         help="--native: DP schedules compiled (least budget to store-all)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="--native: where the models run (cuda: peaks from the CUDA allocator, steps "
+                             "synchronized; pass --threads 0 and GPU-sized --set values)")
     opts = parser.parse_args(args)
+    if opts.device == "cuda" and not (opts.native and torch.cuda.is_available()):
+        raise SystemExit("--device cuda: only with --native, on a machine where torch sees a CUDA GPU")
     if opts.native:
         _cache_on_disk()
     if opts.threads:
@@ -104,9 +109,9 @@ def run(args: list[str]) -> None:
     # Every compiled configuration of a model shares the code objects of its modules: let Dynamo keep them all.
     torch._dynamo.config.recompile_limit = 256
     torch._dynamo.config.accumulated_recompile_limit = 4096
-    print(f"compile benchmark: torch {torch.__version__}, cpu, {torch.get_num_threads()} thread(s), median of {rounds} "
-          f"interleaved rounds (spread: max-min over rounds / median); peaks measured by hchain_viz.measure "
-          f"(allocator log: activations + input); the machine may be shared")
+    print(f"compile benchmark: torch {torch.__version__}, {opts.device}, {torch.get_num_threads()} thread(s), "
+          f"median of {rounds} interleaved rounds (spread: max-min over rounds / median); peaks measured by "
+          f"hchain_viz.measure (allocator: activations + input); the machine may be shared")
     if opts.stage_budgets:
         for name in [n.strip() for n in opts.models.split(",")]:
             _stage_budgets(name, (SMALL if opts.small else SIZES).get(name, {}),
@@ -116,7 +121,8 @@ def run(args: list[str]) -> None:
     native_sizes = _sizes(NATIVE, opts.set)
     for name in [n.strip() for n in opts.models.split(",")]:
         sizes = (SMALL if opts.small else native_sizes if opts.native else SIZES).get(name, {})
-        summary.append(_native(name, sizes, budgets, rounds, opts.candidates, opts.chain, opts.granularity)
+        summary.append(_native(name, sizes, budgets, rounds, opts.candidates, opts.chain, opts.granularity,
+                               opts.device)
                        if opts.native
                        else _one_model(name, sizes, budgets, rounds))
     print()
@@ -151,20 +157,21 @@ def _sizes(base: dict, changes: list[str]) -> dict:
     return out
 
 
-def _load(name: str, sizes: dict) -> tuple[nn.Module, Any, Any, Any]:
-    """(model, input, loss_fn, caller): a demo model, or ``gpt2`` (Hugging Face, called by keywords: ``caller(m)``
-    is a module that calls ``m(**batch)``)."""
+def _load(name: str, sizes: dict, device: str = "cpu") -> tuple[nn.Module, Any, Any, Any]:
+    """(model, input, loss_fn, caller) on ``device``: a demo model, or ``gpt2`` (Hugging Face, called by keywords:
+    ``caller(m)`` is a module that calls ``m(**batch)``)."""
     import warnings
 
     from ..runtime import models
+    from ..runtime.measure import to_device
 
     if name == "gpt2":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, x, loss_fn = models.hf_model("gpt2", attn_implementation="eager", **sizes)
         model.config.use_cache = False
-        return model, x, loss_fn, _Keywords
-    return (*models.demo_model(name, **sizes), lambda m: m)
+        return model.to(device), to_device(x, torch.device(device)), loss_fn, _Keywords
+    return (*models.demo_model(name, device=device, **sizes), lambda m: m)
 
 
 class _Keywords(nn.Module):
@@ -268,7 +275,7 @@ def _one_model(name: str, sizes: dict, budgets: list[float], rounds: int) -> str
 
 
 def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candidates: int,
-            chain_kind: str = "compiled", cut: str | None = None) -> str:
+            chain_kind: str = "compiled", cut: str | None = None, device: str = "cpu") -> str:
     """The native form compiled whole (inductor) against torch.compile's activation_memory_budget, measured.
     ``cut``: ``"module"`` or ``"sublayer"`` (None: as ``NATIVE_CUT`` says)."""
     import copy
@@ -283,7 +290,7 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
     from ..runtime.profile import profile
     from ..runtime.stages import sequentialize
 
-    model, x, loss_fn, caller = _load(name, sizes)
+    model, x, loss_fn, caller = _load(name, sizes, device)
     granularity = {None: NATIVE_CUT.get(name), "module": None}.get(cut, cut)
     t0 = time.perf_counter()
     compiled = {b: caller(torch.compile(model, backend=budget_backend(b))) for b in budgets}
@@ -435,8 +442,10 @@ def _interleaved(modules: list[Any], x: Any, loss_fn: Any, rounds: int) -> list[
             shuffle(order)
             for k in order:
                 xs = fresh_copy(x)
+                _sync()
                 t0 = time.perf_counter()
                 loss_fn(modules[k](xs)).backward()
+                _sync()
                 dt = time.perf_counter() - t0
                 for p in params:
                     p.grad.zero_()
@@ -449,6 +458,12 @@ def _interleaved(modules: list[Any], x: Any, loss_fn: Any, rounds: int) -> list[
         med = statistics.median(s)
         out.append((med, (max(s) - min(s)) / med / 2, s))
     return out
+
+
+def _sync() -> None:
+    """Wait for the GPU (when this process has used one), so that a step's wall time is its whole time."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _speedup(base: tuple, other: tuple) -> float:

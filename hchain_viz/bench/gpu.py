@@ -12,10 +12,12 @@ also printed at the end. Sections, in order:
   of MiB: predicted (simulator) vs measured activation peak — measured is ``torch.cuda.max_memory_allocated`` above
   the level before the step, plus the input x_0 that the simulator counts too — and predicted vs measured step time
   (CUDA events), at store-all and at 4 optimal budgets;
+- ``native``: ``bench compile --native`` on nanoGPT on the GPU: the schedule as checkpoint regions, the whole model
+  compiled by inductor, against ``torch.compile``'s ``activation_memory_budget`` at equal measured memory;
 - ``train``: ``bench train`` on CUDA (optimal vs ``checkpoint_sequential`` at equal measured memory, store-all
   executor vs eager);
-- ``sublayer`` and ``fixed``: the same at sub-layer granularity and with the whole step's fixed memory, where this
-  build has those features, else one "not available in this build" line.
+- ``sublayer`` and ``fixed``: the fidelity table at sub-layer granularity (with the comparison against
+  ``checkpoint_sequential``) and with the whole step's fixed memory (AdamW).
 
 Every section runs in its own process under a time box: a hang, a CUDA error or a traceback in one is written into
 the report and never loses the others, and what a section finished before its time box ran out is kept. A section
@@ -55,6 +57,7 @@ SECTIONS: dict[str, tuple[str, int]] = {
     "env": ("Environment", 60),
     "pytest": ("`pytest -m cuda`", 150),
     "fidelity": ("Profile fidelity: predicted vs measured peak and step time", 150),
+    "native": ("torch.compile of the whole model with the schedule inside (issue #22)", 200),
     "train": ("`bench train` on CUDA: optimal vs `checkpoint_sequential` at equal measured memory", 150),
     "sublayer": ("Sub-layer granularity (issue #10)", 120),
     "fixed": ("Whole-step memory: fixed part with the optimizer (issue #12)", 90),
@@ -76,6 +79,7 @@ FIDELITY_QUICK: dict[str, dict[str, Any]] = {
     "nanogpt": dict(batch=2, seq=16, vocab=64, dim=32, heads=2, layers=2),
     "gpt2": dict(batch=2, seq=16, vocab=64, dim=32, heads=2, layers=2),
 }
+NATIVE_SIZE = dict(batch=8, seq=512, dim=512, heads=8, layers=8, vocab=4096)  # nanoGPT; --quick: bench compile's SMALL
 TRAIN_SIZES: dict[str, dict[str, Any]] = {
     "resnet_chain": dict(batch=32, image=128, width=16),
     "transformer_chain": dict(batch=16, seq=256, dim=256, heads=4, layers=6, vocab=2048),
@@ -719,49 +723,14 @@ def section_train(ctx: Ctx) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- sub-layer (#10)
-def sublayer_granularity() -> Any:
-    """The ``granularity`` value that cuts inside transformer layers, or None when this build has none."""
-    from ..runtime import graph
-
-    check = getattr(graph, "_check_granularity", None)
-    if check is None:
-        return None
-    for value in ("sublayer", "sub-layer", "sub_layer"):
-        try:
-            check(value)
-        except HChainError:
-            continue
-        return value
-    return None
-
-
 def section_sublayer(ctx: Ctx) -> str:
-    granularity = sublayer_granularity()
-    if granularity is None:
-        ctx.write("not available in this build: graph extraction has no sub-layer granularity yet (issue #10)")
-        return "not available"
     sizes = FIDELITY_QUICK if ctx.quick else FIDELITY_SIZES
-    results = [fidelity_model(ctx, name, sizes[name], granularity, compare=True) for name in ("nanogpt", "gpt2")]
+    results = [fidelity_model(ctx, name, sizes[name], "sublayer", compare=True) for name in ("nanogpt", "gpt2")]
     return _summary(results)
 
 
 # ---------------------------------------------------------------------------------------------- fixed memory (#12)
-def fixed_memory_available() -> bool:
-    """Whether this build profiles and measures the whole step with an optimizer (issue #12)."""
-    import inspect
-
-    from ..runtime.measure import Measurement, measure
-    from ..runtime.profile import profile
-
-    return ("optimizer" in inspect.signature(profile).parameters
-            and "optimizer" in inspect.signature(measure).parameters
-            and "device_peak" in getattr(Measurement, "__dataclass_fields__", {}))
-
-
 def section_fixed(ctx: Ctx) -> str:
-    if not fixed_memory_available():
-        ctx.write("not available in this build: profile/measure take no optimizer yet (issue #12)")
-        return "not available"
     sizes = FIDELITY_QUICK if ctx.quick else FIDELITY_SIZES
     ctx.write("Profiled and measured with the optimizer: the predicted `device_peak` (fixed part + activations, "
               "DESIGN §7) against the measured one (forward, backward, `optimizer.step()`, `zero_grad()`); goal "
@@ -770,10 +739,41 @@ def section_fixed(ctx: Ctx) -> str:
     return _summary(results, FIXED_GOAL)
 
 
+# ---------------------------------------------------------------------------------------------- native (#22)
+def section_native(ctx: Ctx) -> str:
+    """``bench compile --native`` on this device: the schedule as checkpoint regions, the whole model compiled by
+    inductor, against torch.compile's activation_memory_budget at equal measured memory."""
+    from . import compile as bench_compile
+
+    if ctx.quick:
+        args = ["--small", "--budgets", "1.0,0.0", "--candidates", "2"]
+    else:
+        args = ["--threads", "0", "--budgets", "1.0,0.5,0.0", "--candidates", "4", "--rounds", "7"]
+        args += [f"--set=nanogpt.{k}={v}" for k, v in NATIVE_SIZE.items()]
+    ctx.write("`python -m hchain_viz bench compile --native` on this device (docs/compile.md): the single-level "
+              "optimum applied as checkpoint regions and the whole model compiled by inductor, against "
+              "`torch.compile`'s `activation_memory_budget`; per knob budget, the fastest candidate whose measured "
+              "peak is at most the knob's; speedups are medians of same-round ratios.")
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            bench_compile.run(["--native", "--device", ctx.device, "--models", "nanogpt", *args])
+    except Exception as e:
+        if buf.getvalue().strip():
+            ctx.code(buf.getvalue())
+        return ctx.failure("nanogpt", e)
+    finally:
+        _free(ctx.device)
+    ctx.code(buf.getvalue())
+    lines = [ln for ln in buf.getvalue().splitlines() if ln.startswith("nanogpt native:")]
+    return lines[0].split(": ", 1)[1] if lines else "ok"
+
+
 RUNNERS: dict[str, Callable[[Ctx], str]] = {
     "env": section_env,
     "pytest": section_pytest,
     "fidelity": section_fidelity,
+    "native": section_native,
     "train": section_train,
     "sublayer": section_sublayer,
     "fixed": section_fixed,
