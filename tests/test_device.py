@@ -98,6 +98,19 @@ def test_device_peak_by_hand_on_a_two_stage_chain():
     assert hcv.simulate(small_step, store_all(small_step)).device_peak == static + 20 + 31
 
 
+def test_library_workspace_is_resident_unsharded_and_round_trips():
+    """cuBLAS's workspace (FixedMemory.workspace, measured on CUDA): resident through the whole step like the
+    parameters, on every rank whole, shown in the parts, kept by JSON."""
+    base = FixedMemory(params=100, stage_grads=[10, 20], optimizer_state=200, buffers=3, step_tmp=1000)
+    c = Chain(fwd_time=[1, 1], bwd_time=[1, 1], x=[1, 2, 4], xbar=[8, 16], fixed=base)
+    with_ws = dataclasses.replace(c, fixed=dataclasses.replace(base, workspace=64))
+    peak = lambda chain: hcv.simulate(chain, store_all(chain)).device_peak  # noqa: E731
+    assert peak(with_ws) == peak(c) + 64
+    assert with_ws.fixed.with_world_size(4).static_per_rank == -(-100 // 4) + -(-200 // 4) + 3 + 64
+    assert with_ws.fixed.parts()["library workspace"] == 64 and "library workspace" not in base.parts()
+    assert Chain.from_json(with_ws.to_json()).fixed == with_ws.fixed
+
+
 # ------------------------------------------------------------------ device memory as the budget
 @pytest.mark.parametrize("seed", range(4))
 def test_device_schedule_fits_the_device_under_the_simulator(seed):

@@ -30,6 +30,8 @@ class FixedMemory:
     - ``optimizer_state``: the optimizer's state tensors after a step (momentum buffers, Adam's two moments, ...).
     - ``buffers``: module buffers (BatchNorm statistics, masks); never sharded.
     - ``step_tmp``: transient bytes above the resident set during ``optimizer.step()``.
+    - ``workspace``: what the device's math libraries keep allocated once a step has run (on CUDA, cuBLAS's
+      workspace per stream, taken from PyTorch's caching allocator; 0 on the CPU); resident, never sharded.
     - ``optimizer``: the optimizer's class name, for display. ``world_size``: the sharding factor (1: none).
     """
 
@@ -39,11 +41,12 @@ class FixedMemory:
     buffers: int = 0
     step_tmp: int = 0
     optimizer: str = ""
+    workspace: int = 0
     world_size: int = 1
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        for name in ("params", "optimizer_state", "buffers", "step_tmp"):
+        for name in ("params", "optimizer_state", "buffers", "step_tmp", "workspace"):
             set_(self, name, _size(getattr(self, name), name))
         if isinstance(self.stage_grads, (str, bytes)) or not hasattr(self.stage_grads, "__iter__"):
             raise InvalidChain(f"fixed.stage_grads must be a list of byte counts, one per stage; got "
@@ -66,8 +69,9 @@ class FixedMemory:
 
     @property
     def static_per_rank(self) -> int:
-        """Resident through the whole step on one rank: parameters, optimizer state and buffers (not gradients)."""
-        return self._shard(self.params) + self._shard(self.optimizer_state) + self.buffers
+        """Resident through the whole step on one rank: parameters, optimizer state, buffers and the libraries'
+        workspace (not gradients)."""
+        return self._shard(self.params) + self._shard(self.optimizer_state) + self.buffers + self.workspace
 
     def stage_grad_per_rank(self, i: int) -> int:
         return self._shard(self.stage_grads[i])
@@ -90,9 +94,10 @@ class FixedMemory:
         return replace(self, world_size=world_size)
 
     def parts(self) -> dict[str, int]:
-        """Per-rank bytes by part, for tables and messages."""
-        return {"parameters": self._shard(self.params), "gradients": self.grads_per_rank,
-                "optimizer state": self._shard(self.optimizer_state), "buffers": self.buffers}
+        """Per-rank bytes by part, for tables and messages (the workspace only where there is one)."""
+        parts = {"parameters": self._shard(self.params), "gradients": self.grads_per_rank,
+                 "optimizer state": self._shard(self.optimizer_state), "buffers": self.buffers}
+        return parts | ({"library workspace": self.workspace} if self.workspace else {})
 
     def describe(self) -> str:
         """``'1.2 GiB (parameters 300 MiB, gradients 300 MiB, AdamW state 600 MiB, buffers 0 B)'``."""
@@ -105,13 +110,14 @@ class FixedMemory:
     def to_dict(self) -> dict[str, Any]:
         return {"params": self.params, "stage_grads": list(self.stage_grads), "optimizer_state": self.optimizer_state,
                 "buffers": self.buffers, "step_tmp": self.step_tmp, "optimizer": self.optimizer,
-                "world_size": self.world_size}
+                "world_size": self.world_size, "workspace": self.workspace}
 
     @classmethod
     def from_dict(cls, d: Any) -> FixedMemory:
         if not isinstance(d, dict) or "params" not in d or "stage_grads" not in d:
             raise InvalidChain("chain JSON field 'fixed' must be an object with at least 'params' and 'stage_grads'")
-        keys = ("params", "stage_grads", "optimizer_state", "buffers", "step_tmp", "optimizer", "world_size")
+        keys = ("params", "stage_grads", "optimizer_state", "buffers", "step_tmp", "optimizer", "world_size",
+                "workspace")
         return cls(**{k: d[k] for k in keys if k in d})
 
 

@@ -1,5 +1,6 @@
 """Measure a model's fixed memory with its real optimizer (DESIGN §7): parameters, gradients, optimizer state,
-buffers, and the optimizer step's transient peak, as a :class:`~hchain_viz.core.fixed.FixedMemory`.
+buffers, the optimizer step's transient peak and, on CUDA, cuBLAS's workspace, as a
+:class:`~hchain_viz.core.fixed.FixedMemory`.
 
 The optimizer state is not guessed from the optimizer's name: two real ``optimizer.step()`` calls run on zero
 gradients (the first creates the state lazily, as SGD with momentum and Adam do; the second is measured for its
@@ -107,4 +108,17 @@ def fixed_memory(model_params: list[torch.Tensor], stages: list[nn.Module], buff
                                f"{e}); profile with an optimizer that can step on this model") from e
     return FixedMemory(params=nbytes(model_params), stage_grads=stage_grads, optimizer_state=state,
                        buffers=nbytes(buffers), step_tmp=step_tmp, optimizer=type(optimizer).__name__,
-                       world_size=world_size)
+                       world_size=world_size, workspace=library_workspace(device))
+
+
+def library_workspace(device: torch.device) -> int:
+    """Bytes cuBLAS's workspaces hold in PyTorch's caching allocator on ``device`` (0 off CUDA): allocated at the
+    first matrix product on each stream and kept, so resident through every later step. Measured by releasing them
+    (the next product allocates them again)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if device.type != "cuda" or clear is None:
+        return 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    clear()
+    return max(0, before - torch.cuda.memory_allocated(device))

@@ -129,7 +129,9 @@ def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None,
     times: list[float] = []
     from .fixed import optimizer_state_tensors, training_state
 
-    with preserved_state([module], dev), training_state(list(module.parameters()), optimizer):
+    # training_state first: it keeps the user's .grad, not the zeros preserved_state puts there (on CUDA a device
+    # copy of every gradient, held to the end, would add to the measured device peak once zero_grad() drops them)
+    with training_state(list(module.parameters()), optimizer), preserved_state([module], dev):
         params = [p for p in module.parameters() if p.requires_grad]
         step(fresh_copy(sample_input))  # warm-up (lazy initialisation, caches, optimizer state); not measured
         held = [*module.parameters(), *(p.grad for p in params if p.grad is not None), *module.buffers()]
@@ -285,7 +287,7 @@ class preserved_state:
         self.dev = dev
 
     def __enter__(self) -> preserved_state:
-        self._restore_buffers = buffer_snapshot(self.modules)
+        self._restore_buffers = buffer_snapshot(self.modules, host=True)  # not measured as device memory
         params = {id(p): p for m in self.modules for p in m.parameters()}.values()
         self._grads = [(p, p.grad) for p in params]
         for p in params:

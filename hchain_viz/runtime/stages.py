@@ -310,10 +310,12 @@ def _check_stages(model: Any, stages: list[Stage], sample_input: Any, *, compare
     return (not compare or _same(h, reference)), inplace
 
 
-def buffer_snapshot(modules: list[nn.Module]) -> Callable[[], None]:
-    """Copy every buffer of ``modules`` now; the returned function puts the values (and the tensors) back."""
+def buffer_snapshot(modules: list[nn.Module], host: bool = False) -> Callable[[], None]:
+    """Copy every buffer of ``modules`` now (to host memory with ``host``); the returned function puts the values
+    (and the tensors) back."""
     subs = {id(s): s for m in modules for s in m.modules()}.values()
-    saved = [(s, name, b, b.detach().clone()) for s in subs for name, b in s._buffers.items() if b is not None]
+    keep = (lambda b: b.detach().to("cpu", copy=True)) if host else (lambda b: b.detach().clone())
+    saved = [(s, name, b, keep(b)) for s in subs for name, b in s._buffers.items() if b is not None]
 
     def restore() -> None:
         with torch.no_grad():

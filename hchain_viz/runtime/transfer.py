@@ -94,6 +94,8 @@ class Link:
             self.d2h.wait_event(start)
             for get, put in holders:
                 dev = get()
+                if not dev.is_cuda:  # on the host already: a value this stage shares with one offloaded before it
+                    continue  # (Pre copies it back all the same, as on the CPU path)
                 host = torch.empty_strided(dev.size(), dev.stride(), dtype=dev.dtype, device="cpu", pin_memory=True)
                 host.copy_(dev, non_blocking=True)
                 dev.record_stream(self.d2h)  # NOTE: its memory is reused only once this copy is done

@@ -276,7 +276,8 @@ class _Step:
         self.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
         self.autocast_cache = torch.is_autocast_cache_enabled()
         # The transfer channel (Off/Pre, DESIGN §9): only for schedules that have transfers.
-        self.link = Link(self.devices[0] if self.devices else None) if module.schedule.n_transfers else None
+        self.link = (Link(torch.device("cuda", self.devices[0]) if self.devices else None)
+                     if module.schedule.n_transfers else None)  # (devices are indices)
         # Which input tensors each Fall frees depends on what the stages save, fixed by their code, the cuts'
         # structure and the setting. Noting every saved tensor (saved-tensor hooks, see _packing) costs about 9 ms a
         # step on densenet121 at sub-layer granularity, so it is learned in one step (``learned``), by position in
