@@ -296,11 +296,13 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
     compiled = {b: caller(torch.compile(model, backend=budget_backend(b))) for b in budgets}
     c_peak = {b: measure(m, x, loss_fn, repeats=1).peak_bytes for b, m in compiled.items()}
     t_knob = time.perf_counter() - t0
+    _progress(f"{name}: {len(budgets)} knob graphs compiled and measured in {t_knob:.0f} s")
     # Compiled whole, each stage saves what inductor's partitioner keeps (less than eager: fused pointwise ops,
     # boolean dropout masks); the chain profiled with compiled stages says so, and solves for compiled speed.
     chain = profile(model, x, loss_fn, granularity=granularity, compile=chain_kind == "compiled", progress=False)
     grads = grad_bytes([m for _, m in sequentialize(model, x, granularity=granularity)])
     sol = solve(chain, single_level=True)  # what torch.compile runs as scheduled (runtime/native.py)
+    _progress(f"{name}: profiled ({chain.length} stages) and solved at {time.perf_counter() - t0:.0f} s")
     lo, hi = sol.min_budget, sol.store_all_peak
     cands: dict[tuple, tuple[Any, int, Any, nn.Module, int]] = {}
     for k in range(n_candidates):
@@ -312,6 +314,7 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
         apply(twin, s, chain=chain, native=True)
         cm = caller(torch.compile(twin))
         cands[s.ops] = (cm, measure(cm, x, loss_fn, repeats=1).peak_bytes, s, twin, compiled_peak(chain, s, grads))
+        _progress(f"{name}: candidate {k + 1}/{n_candidates} compiled and measured at {time.perf_counter() - t0:.0f} s")
     setup = time.perf_counter() - t0
     eager = caller(model)
     modules = [eager, *compiled.values()] + [c[0] for c in cands.values()]
@@ -458,6 +461,13 @@ def _interleaved(modules: list[Any], x: Any, loss_fn: Any, rounds: int) -> list[
         med = statistics.median(s)
         out.append((med, (max(s) - min(s)) / med / 2, s))
     return out
+
+
+def _progress(line: str) -> None:
+    """A progress line for the minutes of compiling, on stderr (the tables go to stdout)."""
+    import sys
+
+    print(f"[bench compile] {line}", file=sys.stderr, flush=True)
 
 
 def _sync() -> None:
