@@ -394,3 +394,85 @@ def test_native_form_compiled_whole_measures_its_compiled_prediction():
             assert len(warned) == 1 and "compiled whole it is predicted" in warned[0]
         else:  # within its budget; the warning left is inductor's scheduling (this backend has none)
             assert measured <= budget and len(warned) == 1 and "inductor's kernel scheduling" in warned[0]
+
+
+def test_selective_native_form_is_bitwise_like_eager_compiled_whole_and_not():
+    """apply(..., native=True, selective=True): every stage saves only its matrix products' outputs and recomputes the
+    rest (BatchNorm, ReLU, dropout) in its backward. Eager and compiled whole (aot_eager): losses, gradients,
+    BatchNorm statistics (updated once) and the global RNG (dropout's draws replayed) bitwise the plain model's."""
+    import copy
+
+    import hchain_viz as hcv
+
+    model, x, y, schedule = _native_case()
+    eager_net, twin = copy.deepcopy(model), copy.deepcopy(model)
+    for net in (model, eager_net):
+        hcv.apply(net, schedule, native=True, selective=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    for step in range(2):
+        results = []
+        for net in (compiled, eager_net, twin):
+            torch.manual_seed(20 + step)
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            results.append((loss.detach(), torch.get_rng_state()))
+        for (loss, rng), net in zip(results[:2], (model, eager_net)):
+            assert torch.equal(loss, results[2][0]) and torch.equal(rng, results[2][1])
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), twin.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(net.buffers(), twin.buffers()))
+
+
+class _Block(nn.Module):
+    """A matrix product, then cheap ops whose outputs a plain stage saves and a selective one recomputes."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear, self.norm = nn.Linear(width, width), nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        return torch.tanh(self.norm(self.linear(x)).relu())
+
+
+def test_selective_profile_saves_less_and_a_chain_of_the_other_form_is_refused():
+    import hchain_viz as hcv
+    from hchain_viz.runtime.apply import ScheduleMismatch
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[_Block(64) for _ in range(3)], nn.Linear(64, 4)), torch.randn(32, 64)
+    aot = {"backend": "aot_eager"}
+    plain = hcv.profile(model, x, compile=aot, warmup=0, repeats=1, progress=False)
+    chain = hcv.profile(model, x, compile=aot, selective=True, warmup=0, repeats=1, progress=False)
+    assert chain.meta["selective"] is True and "selective" not in plain.meta
+    assert hcv.Chain.from_json(chain.to_json()).meta["selective"] is True
+    for i in range(3):  # each block keeps its linear's output (its BatchNorm's input) and no more
+        assert chain.xbar[i] < plain.xbar[i], (i, chain.xbar, plain.xbar)
+    sol = hcv.solve(chain, single_level=True)
+    schedule = sol.schedule(sol.min_budget)
+    with pytest.raises(hcv.HChainError, match="native=True"):
+        hcv.apply(model, schedule, chain=chain, selective=True)
+    with pytest.raises(ScheduleMismatch, match="selective=True"):
+        hcv.apply(model, schedule, chain=chain, native=True)
+    with pytest.raises(ScheduleMismatch, match="without selective=True"):
+        hcv.apply(model, schedule, chain=plain, native=True, selective=True)
+    with pytest.raises(hcv.ProfileError, match="compile=True"):
+        hcv.profile(model, x, selective=True, progress=False)
+    assert hcv.apply(model, schedule, chain=chain, native=True, selective=True) is model
+
+
+def test_checkpoint_selective_profiles_compiled_selective_stages_and_applies_them(capsys):
+    import copy
+
+    import hchain_viz as hcv
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Block(32), _Block(32), nn.Linear(32, 4)), torch.randn(16, 32)
+    twin = copy.deepcopy(model)
+    hcv.checkpoint(model, x, budget="1MiB", native=True, selective=True, progress=False)
+    state = vars(model)["_hcv_applied"]
+    assert state.selective and state.chain.meta["selective"] is True and "compile" in state.chain.meta
+    assert "selective stages" in state.describe() and "hchain_viz: Sequential in 3 stages" in capsys.readouterr().out
+    for net in (model, twin):  # eager here: bitwise the plain model
+        net(x).pow(2).mean().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters()))
+    with pytest.raises(hcv.HChainError, match="native=True"):
+        hcv.checkpoint(twin, x, budget="1MiB", selective=True, progress=False)

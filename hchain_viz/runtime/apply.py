@@ -73,7 +73,7 @@ class DoubleCheckpointing(HChainError, RuntimeError):
 # ---------------------------------------------------------------------------------------------- public API
 def apply(model: nn.Module, schedule: Schedule | str, *, chain: Chain | None = None, sample: Any = None,
           native: bool = False, preserve_rng_state: bool = True,
-          compile: bool | Mapping[str, Any] = False) -> nn.Module:
+          compile: bool | Mapping[str, Any] = False, selective: bool = False) -> nn.Module:
     """Make ``model`` itself train by ``schedule``; returns ``model`` (the same object).
 
     ``schedule``: a :class:`~hchain_viz.Schedule` for the chain of stages of ``model`` (as for :func:`hcv.wrap`).
@@ -84,7 +84,10 @@ def apply(model: nn.Module, schedule: Schedule | str, *, chain: Chain | None = N
     ``native``: run the schedule as nested non-reentrant ``torch.utils.checkpoint`` regions (the schedule's segment
     tree), so that ``torch.compile(model)`` compiles the whole step with the schedule inside; see
     :mod:`hchain_viz.runtime.native` for the schedules it takes and its guarantees. ``preserve_rng_state`` and
-    ``compile`` (compiled stages under the eager executor) are those of :func:`hcv.wrap`.
+    ``compile`` (compiled stages under the eager executor) are those of :func:`hcv.wrap`. ``selective`` (with
+    ``native``): every stage saves only its matrix products' and convolutions' outputs and recomputes the rest in its
+    backward (``runtime/native.py``); the chain must be profiled so too (``profile(..., compile=True,
+    selective=True)``).
 
     The model keeps its class, ``forward`` signature, attributes and methods (``config``, ``save_pretrained``,
     ``generate``) and ``state_dict`` keys; ``eval()`` and ``torch.no_grad()`` run its plain forward. Raises
@@ -104,8 +107,11 @@ def apply(model: nn.Module, schedule: Schedule | str, *, chain: Chain | None = N
     if native and compile:
         raise HChainError("native=True is compiled whole by torch.compile(model); compile= compiles each stage under "
                           "the executor instead. Choose one")
+    if selective and not native:
+        raise HChainError("selective=True is a form of the native schedule (PyTorch's selective activation "
+                          "checkpointing in every stage): pass native=True as well")
     state = _Applied(model, _as_schedule(schedule), chain=chain, native=bool(native),
-                     preserve_rng_state=preserve_rng_state, compile=compile)
+                     preserve_rng_state=preserve_rng_state, compile=compile, selective=bool(selective))
     if sample is not None:
         state.fix_structure(sample)
     state.install()
@@ -129,7 +135,8 @@ def is_applied(model: Any) -> bool:
 def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
                device_memory: int | str | None = None, loss_fn: Any = None,
                optimizer: torch.optim.Optimizer | None = None, granularity: str | int | None = None,
-               native: bool = False, progress: bool = True, verbose: bool = True) -> nn.Module:
+               native: bool = False, selective: bool = False, progress: bool = True,
+               verbose: bool = True) -> nn.Module:
     """Profile ``model`` on ``batch``, solve, and apply the fastest schedule that fits; returns ``model``.
 
     The one-line entry point, as easy as Hugging Face's ``gradient_checkpointing_enable()``:
@@ -141,7 +148,9 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
     ``loss_fn(output)``: the loss profiled for the last stage (default: ``output.loss`` where the model returns one).
     ``granularity``: how finely a traced model is cut (``"sublayer"``: inside transformer layers).
     ``native``: see :func:`apply`; the schedule is then the fastest whose memory fits the budget also when the model
-    is compiled whole (``torch.compile(model)``, see ``runtime/native.py``). Prints the budget, the predicted peak
+    is compiled whole (``torch.compile(model)``, see ``runtime/native.py``). ``selective`` (with ``native``): every
+    stage saves only its matrix products' and convolutions' outputs (see :func:`apply`), profiled as compiled stages
+    (which takes a compile per stage). Prints the budget, the predicted peak
     and the predicted overhead against store-all (``verbose=False``: silent); ``progress`` shows progress bars while
     profiling.
     """
@@ -161,7 +170,10 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
     if device_memory is not None and optimizer is None:
         raise HChainError("a budget as device memory counts the optimizer's state: pass optimizer= (the training "
                           "step's optimizer), or give budget= (activation memory) instead")
-    chain = profile(model, batch, loss_fn, optimizer=optimizer, granularity=granularity, progress=progress)
+    if selective and not native:
+        raise HChainError("selective=True is a form of the native schedule: pass native=True as well")
+    chain = profile(model, batch, loss_fn, optimizer=optimizer, granularity=granularity, progress=progress,
+                    compile=bool(selective), selective=selective)
     if native:  # one compiled graph: no group of stages runs a backward call of its own
         chain = dataclasses.replace(chain, backward_call=0.0)
     sol = solve(chain)
@@ -181,7 +193,7 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
         stages = [m for _, m in sequentialize(model, batch, granularity=granularity)]
         # The budget as given, not capped at the store-all peak: compiled, the gradients held add to every peak
         schedule = for_compile(sol, _bytes(schedule.meta["budget"]), grad_bytes(stages))
-    apply(model, schedule, chain=chain, sample=batch, native=native)
+    apply(model, schedule, chain=chain, sample=batch, native=native, selective=selective)
     if verbose:
         trace, base = simulate(chain, schedule), simulate(chain, store_all(chain))
         overhead = trace.makespan / base.makespan - 1 if base.makespan > 0 else 0.0
@@ -255,11 +267,12 @@ class _Applied:
     """Everything an applied schedule holds beside the model (kept in ``model.__dict__``, not as a submodule)."""
 
     def __init__(self, model: nn.Module, schedule: Schedule, *, chain: Chain | None, native: bool,
-                 preserve_rng_state: bool, compile: Any):
+                 preserve_rng_state: bool, compile: Any, selective: bool = False):
         self.model = model
         self.schedule = schedule
         self.chain = chain
         self.native = native
+        self.selective = selective
         self.bypass = False  # True while stages are traced: the model's own forward runs
         self.warned = False  # the compiled-memory warning was given (once per applied schedule)
         bound = model.forward
@@ -309,7 +322,8 @@ class _Applied:
 
     def describe(self) -> str:
         name = self.schedule.meta.get("strategy", "schedule")
-        form = "native checkpoint regions" if self.native else "the executor"
+        form = ("native checkpoint regions" + (", selective stages" if self.selective else "")) if self.native \
+            else "the executor"
         return f"{name}: {len(self.schedule)} ops, {self.schedule.n_recomputed} recomputed forwards, by {form}"
 
     # -------------------------------------------------------------- executors
@@ -319,7 +333,8 @@ class _Applied:
             if self.native:
                 from .native import NativeSchedule
 
-                ex = NativeSchedule(self.model, self.schedule, preserve_rng_state=self.options["preserve_rng_state"])
+                ex = NativeSchedule(self.model, self.schedule, preserve_rng_state=self.options["preserve_rng_state"],
+                                    selective=self.selective)
             else:
                 ex = ScheduledModule(self.model, self.schedule, **self.options)
             if x0 is not None:
@@ -370,6 +385,11 @@ class _Applied:
             raise ScheduleMismatch(
                 f"the chain's stages ({', '.join(chain.names[:6])}, ...) are not this model's stages "
                 f"({', '.join(n for n, _ in stages[:6])}, ...); profile this model and solve again")
+        if bool(meta.get("selective")) != self.selective:
+            said = ("profiled with selective stages (profile(..., selective=True)): apply it with selective=True"
+                    if meta.get("selective") else
+                    "profiled with plain stages: apply it without selective=True, or profile with selective=True")
+            raise ScheduleMismatch(f"the chain was {said}; its activation sizes are not this form's")
         if chain.length != self.first.length:
             raise ScheduleMismatch(f"the schedule is for {self.first.length} stages but the chain has {chain.length}; "
                                    f"solve the chain again and take the schedule from it")

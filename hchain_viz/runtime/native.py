@@ -16,6 +16,14 @@ turns each region into its ``checkpoint`` higher-order op; the partitioner recom
 Schedules that are not such a tree (hand-written ones that recompute a stage a different way, offloading ops) are
 refused with :class:`NotNative`, naming the op where the tree stops; :func:`segment_tree` gives the tree.
 
+``selective=True`` (:func:`selective_call`): every stage also runs under PyTorch's selective activation checkpointing,
+saving only the outputs of its costly ops (matrix products, convolutions, attention kernels, :data:`COSTLY_OPS`) and
+recomputing the rest (norms, activations, dropout, additions) in its own backward, where a compiled backward fuses
+them into the kernels that need them: what ``torch.compile``'s ``activation_memory_budget`` finds nearly free, now
+under a schedule too. The chain must be profiled so (``profile(..., compile=True, selective=True)``): its x̄ are
+what the selective stages save. Same guarantees as the regions (the recomputation replays dropout's draws; in eager
+mode the running statistics are kept).
+
 Guarantees, as the executor's (DESIGN §5):
 
 - dropout: a recomputed region replays the random numbers of its first run (``preserve_rng_state=True``, the
@@ -64,7 +72,12 @@ from .stages import sequentialize
 from .wrap import _length_mismatch
 
 __all__ = ["NativeSchedule", "NotNative", "segment_tree", "tree_ops", "Region", "compiled_tree", "compiled_schedule",
-           "grad_bytes", "compiled_peak", "for_compile"]
+           "grad_bytes", "compiled_peak", "for_compile", "selective_call", "COSTLY_OPS"]
+
+# The aten ops whose outputs a selective stage saves: what costs most to recompute. Everything else is recomputed.
+COSTLY_OPS = ("convolution", "_convolution", "mkldnn_convolution", "cudnn_convolution", "mm", "addmm", "bmm",
+              "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
 
 
 class NotNative(InvalidSchedule):
@@ -233,9 +246,11 @@ class NativeSchedule:
     """Runs a schedule's segment tree with ``torch.utils.checkpoint``; the native executor of ``hcv.apply(...,
     native=True)``. Same interface as the executor's training path (``_ensure_stages``, ``_train_step``)."""
 
-    def __init__(self, model: nn.Module, schedule: Schedule, *, preserve_rng_state: bool = True):
+    def __init__(self, model: nn.Module, schedule: Schedule, *, preserve_rng_state: bool = True,
+                 selective: bool = False):
         self.model = model
         self.schedule = schedule
+        self.selective = bool(selective)
         self.tree = segment_tree(schedule)
         self.length = next(op.stage for op in schedule.ops if op.kind == "Loss")
         self.preserve_rng_state = bool(preserve_rng_state)
@@ -269,22 +284,65 @@ class NativeSchedule:
 
     def _run(self, nodes: tuple, x: Any) -> Any:
         for node in nodes:
-            if isinstance(node, int):
-                x = self._modules[node](x)
-            else:
+            if isinstance(node, Region):
                 x = self._region(node, x)
+            elif self.selective:
+                x = selective_call(self._modules[node], x, self.preserve_rng_state)
+            else:
+                x = self._modules[node](x)
         return x
 
     def _region(self, region: Region, x: Any) -> Any:
         from torch.utils.checkpoint import checkpoint
 
         kwargs: dict[str, Any] = {}
-        norms = [m for k in range(region.start, region.end + 1) for m in self._modules[k].modules()
-                 if isinstance(m, _NormBase) and m.track_running_stats and m.training]
+        norms = _norms(self._modules[region.start:region.end + 1])
         if norms and not torch.compiler.is_compiling():
             kwargs["context_fn"] = lambda: (contextlib.nullcontext(), _stats_kept(norms))
         return checkpoint(self._run, region.body, x, use_reentrant=False,
                           preserve_rng_state=self.preserve_rng_state, **kwargs)
+
+
+def selective_call(stage: Any, x: Any, preserve_rng_state: bool = True) -> Any:
+    """``stage(x)`` under selective activation checkpointing: the outputs of :data:`COSTLY_OPS` are saved, every
+    other op is recomputed in the stage's backward (dropout with the draws of its first run). Under
+    ``torch.compile`` the partitioner follows the same policy; in eager mode the recomputation updates copies of the
+    running statistics, thrown away after, so that a step updates them once."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    if torch.compiler.is_compiling():  # Dynamo takes the policy from this form
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_costly)
+    else:
+        norms = _norms([stage]) if isinstance(stage, nn.Module) else []
+
+        def context_fn() -> tuple:
+            forward, recompute = create_selective_checkpoint_contexts(_keep_costly)
+            return forward, _entered(_stats_kept(norms), recompute)  # copies made outside its mode
+
+    return checkpoint(stage, x, use_reentrant=False, preserve_rng_state=preserve_rng_state, context_fn=context_fn)
+
+
+def _keep_costly(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = getattr(getattr(op, "overloadpacket", None), "__name__", "")
+    return CheckpointPolicy.MUST_SAVE if name in COSTLY_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _norms(modules: list[nn.Module]) -> list[nn.Module]:
+    """The norm layers among ``modules`` whose forward in train mode updates running statistics."""
+    return [m for module in modules for m in module.modules()
+            if isinstance(m, _NormBase) and m.track_running_stats and m.training]
+
+
+@contextlib.contextmanager
+def _entered(*managers: Any) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
 
 
 @contextlib.contextmanager

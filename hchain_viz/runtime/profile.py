@@ -93,7 +93,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5,
             progress: bool = True, optimizer: torch.optim.Optimizer | None = None, world_size: int = 1,
             compile: bool | Mapping[str, Any] = False, granularity: str | int | None = None,
-            estimate_for: str | None = None, tie_identical: bool = True) -> Chain:
+            estimate_for: str | None = None, tie_identical: bool = True, selective: bool = False) -> Chain:
     """Measure ``model`` stage by stage on ``sample_input`` and return its :class:`Chain`.
 
     ``model``: an ``nn.Sequential`` (nested ones flattened), a list of modules or ``(name, module)`` pairs, or any
@@ -117,6 +117,9 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     runs it (``True``, or a dict of ``torch.compile`` arguments; see ``runtime/compiled.py``): times of the compiled
     forward and backward, x̄ = the output plus what the compiled graph saves for its backward, and the transients of
     the compiled code. At least one untimed warm-up run compiles the graphs; ``meta["compile"]`` records the setting.
+    ``selective`` (with ``compile``): each stage under selective activation checkpointing, as ``hcv.apply(model,
+    schedule, native=True, selective=True)`` runs it (``runtime/native.py``: the outputs of matrix products and
+    convolutions saved, the rest recomputed in the stage's backward); ``meta["selective"]`` is then True.
 
     ``granularity``: how finely graph extraction cuts a model it has to trace (see
     :func:`~hchain_viz.runtime.graph.extract_stages`): ``"sublayer"`` cuts transformer layers inside, where the
@@ -148,8 +151,11 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         raise NotSequentialError(f"the {type(model).__name__} has no stages to profile")
     loss_fn = default_loss if loss_fn is None else loss_fn
     options = compile_options(compile)
+    if selective and options is None:
+        raise ProfileError("selective=True profiles compiled stages (pass compile=True too): in eager mode the "
+                           "tensors selective checkpointing keeps are out of the profiler's sight")
     runners = ([s for _, s in stages] if options is None
-               else [compile_stage(s, options, len(stages)) for _, s in stages])
+               else [compile_stage(_Selective(s) if selective else s, options, len(stages)) for _, s in stages])
     if options is not None:
         warmup = max(warmup, 1)  # compiling (forward on the first call, backward on the first backward) is untimed
 
@@ -223,6 +229,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     }
     if options is not None:
         meta["compile"] = describe(options)
+    if selective:
+        meta["selective"] = True
     if gpu is not None:
         meta.update(measured_fwd_time=fwd, measured_bwd_time=bwd, estimate_for=gpu.name,
                     times=f"estimate: roofline for {gpu.name} from FLOP and byte counts (not measured)",
@@ -607,3 +615,16 @@ def _dtype_name(params: list[torch.Tensor], sample_input: Any) -> str:
         if t.is_floating_point():
             return str(t.dtype).removeprefix("torch.")
     return "float32"
+
+
+class _Selective(nn.Module):
+    """A stage run as ``hcv.apply(..., native=True, selective=True)`` runs it, for compiling and profiling."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: Any) -> Any:
+        from .native import selective_call
+
+        return selective_call(self.stage, x)
