@@ -73,7 +73,7 @@ class DoubleCheckpointing(HChainError, RuntimeError):
 # ---------------------------------------------------------------------------------------------- public API
 def apply(model: nn.Module, schedule: Schedule | str, *, chain: Chain | None = None, sample: Any = None,
           native: bool = False, preserve_rng_state: bool = True,
-          compile: bool | Mapping[str, Any] = False, selective: bool = False) -> nn.Module:
+          compile: bool | Mapping[str, Any] = False, selective: bool | Chain = False) -> nn.Module:
     """Make ``model`` itself train by ``schedule``; returns ``model`` (the same object).
 
     ``schedule``: a :class:`~hchain_viz.Schedule` for the chain of stages of ``model`` (as for :func:`hcv.wrap`).
@@ -85,9 +85,10 @@ def apply(model: nn.Module, schedule: Schedule | str, *, chain: Chain | None = N
     tree), so that ``torch.compile(model)`` compiles the whole step with the schedule inside; see
     :mod:`hchain_viz.runtime.native` for the schedules it takes and its guarantees. ``preserve_rng_state`` and
     ``compile`` (compiled stages under the eager executor) are those of :func:`hcv.wrap`. ``selective`` (with
-    ``native``): every stage saves only its matrix products' and convolutions' outputs and recomputes the rest in its
-    backward (``runtime/native.py``); the chain must be profiled so too (``profile(..., compile=True,
-    selective=True)``).
+    ``native``): every stage outside the checkpoint regions saves only its matrix products' and convolutions'
+    outputs and recomputes the rest in its backward (``runtime/native.py``). Give it the model's chain profiled with
+    ``profile(..., compile=True, selective=True)`` (``chain=`` stays the plain one) to have the form's memory
+    predicted; ``True`` runs it unpredicted.
 
     The model keeps its class, ``forward`` signature, attributes and methods (``config``, ``save_pretrained``,
     ``generate``) and ``state_dict`` keys; ``eval()`` and ``torch.no_grad()`` run its plain forward. Raises
@@ -111,7 +112,7 @@ def apply(model: nn.Module, schedule: Schedule | str, *, chain: Chain | None = N
         raise HChainError("selective=True is a form of the native schedule (PyTorch's selective activation "
                           "checkpointing in every stage): pass native=True as well")
     state = _Applied(model, _as_schedule(schedule), chain=chain, native=bool(native),
-                     preserve_rng_state=preserve_rng_state, compile=compile, selective=bool(selective))
+                     preserve_rng_state=preserve_rng_state, compile=compile, selective=selective)
     if sample is not None:
         state.fix_structure(sample)
     state.install()
@@ -148,9 +149,10 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
     ``loss_fn(output)``: the loss profiled for the last stage (default: ``output.loss`` where the model returns one).
     ``granularity``: how finely a traced model is cut (``"sublayer"``: inside transformer layers).
     ``native``: see :func:`apply`; the schedule is then the fastest whose memory fits the budget also when the model
-    is compiled whole (``torch.compile(model)``, see ``runtime/native.py``). ``selective`` (with ``native``): every
-    stage saves only its matrix products' and convolutions' outputs (see :func:`apply`), profiled as compiled stages
-    (which takes a compile per stage). Prints the budget, the predicted peak
+    is compiled whole (``torch.compile(model)``, see ``runtime/native.py``). ``selective`` (with ``native``): the
+    stages outside its checkpoint regions save only their matrix products' and convolutions' outputs (see
+    :func:`apply`); the model is profiled twice, with compiled stages, plain and selective (a compile per stage
+    each). Prints the budget, the predicted peak
     and the predicted overhead against store-all (``verbose=False``: silent); ``progress`` shows progress bars while
     profiling.
     """
@@ -172,8 +174,11 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
                           "step's optimizer), or give budget= (activation memory) instead")
     if selective and not native:
         raise HChainError("selective=True is a form of the native schedule: pass native=True as well")
+    # with selective stages, two profiles of compiled stages: the plain one (for the regions) and the selective one
     chain = profile(model, batch, loss_fn, optimizer=optimizer, granularity=granularity, progress=progress,
-                    compile=bool(selective), selective=selective)
+                    compile=bool(selective))
+    picked = profile(model, batch, loss_fn, granularity=granularity, progress=progress, compile=True,
+                     selective=True) if selective else None
     if native:  # one compiled graph: no group of stages runs a backward call of its own
         chain = dataclasses.replace(chain, backward_call=0.0)
     sol = solve(chain)
@@ -192,10 +197,13 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
 
         stages = [m for _, m in sequentialize(model, batch, granularity=granularity)]
         # The budget as given, not capped at the store-all peak: compiled, the gradients held add to every peak
-        schedule = for_compile(sol, _bytes(schedule.meta["budget"]), grad_bytes(stages))
-    apply(model, schedule, chain=chain, sample=batch, native=native, selective=selective)
+        schedule = for_compile(sol, _bytes(schedule.meta["budget"]), grad_bytes(stages), picked)
+    apply(model, schedule, chain=chain, sample=batch, native=native, selective=picked or False)
     if verbose:
-        trace, base = simulate(chain, schedule), simulate(chain, store_all(chain))
+        from .native import selective_chain
+
+        runs = chain if picked is None else selective_chain(chain, picked, schedule)
+        trace, base = simulate(runs, schedule), simulate(chain, store_all(chain))
         overhead = trace.makespan / base.makespan - 1 if base.makespan > 0 else 0.0
         print(f"hchain_viz: {type(model).__name__} in {chain.length} stages, {asked}: "
               f"{schedule.n_recomputed} recomputed forwards, predicted activation peak "
@@ -267,12 +275,13 @@ class _Applied:
     """Everything an applied schedule holds beside the model (kept in ``model.__dict__``, not as a submodule)."""
 
     def __init__(self, model: nn.Module, schedule: Schedule, *, chain: Chain | None, native: bool,
-                 preserve_rng_state: bool, compile: Any, selective: bool = False):
+                 preserve_rng_state: bool, compile: Any, selective: bool | Chain = False):
         self.model = model
         self.schedule = schedule
         self.chain = chain
         self.native = native
-        self.selective = selective
+        self.selective = selective is not False and selective is not None
+        self.selective_chain = selective if isinstance(selective, Chain) else None
         self.bypass = False  # True while stages are traced: the model's own forward runs
         self.warned = False  # the compiled-memory warning was given (once per applied schedule)
         bound = model.forward
@@ -285,6 +294,9 @@ class _Applied:
         self.structure: _Structure | None = None  # the profiled call structure
         self.executors: dict[Any, Any] = {}  # per accepted call structure: its executor (stages traced for it)
         self.first: Any = self._executor(None)  # None after unpickling: rebuilt at the next training call
+        if self.selective_chain is not None and not (self.selective_chain.meta or {}).get("selective"):
+            raise ScheduleMismatch("selective= takes a chain profiled with profile(..., compile=True, selective=True) "
+                                   "(or True, to run the form unpredicted)")
         if chain is not None:
             self._check_chain(chain)
         objects, self.modes, _ = _walk(model)
@@ -385,11 +397,12 @@ class _Applied:
             raise ScheduleMismatch(
                 f"the chain's stages ({', '.join(chain.names[:6])}, ...) are not this model's stages "
                 f"({', '.join(n for n, _ in stages[:6])}, ...); profile this model and solve again")
-        if bool(meta.get("selective")) != self.selective:
-            said = ("profiled with selective stages (profile(..., selective=True)): apply it with selective=True"
-                    if meta.get("selective") else
-                    "profiled with plain stages: apply it without selective=True, or profile with selective=True")
-            raise ScheduleMismatch(f"the chain was {said}; its activation sizes are not this form's")
+        if meta.get("selective"):
+            raise ScheduleMismatch("chain= takes the plain profile; a chain profiled with selective=True goes to "
+                                   "selective= (with native=True), beside the plain one")
+        if self.selective_chain is not None and self.selective_chain.names != chain.names:
+            raise ScheduleMismatch("selective= and chain= are profiles of other stages; profile this model twice, "
+                                   "plain and with selective=True")
         if chain.length != self.first.length:
             raise ScheduleMismatch(f"the schedule is for {self.first.length} stages but the chain has {chain.length}; "
                                    f"solve the chain again and take the schedule from it")
@@ -456,21 +469,24 @@ class _Applied:
         import warnings
 
         from ..core.simulate import simulate
-        from .native import compiled_peak, grad_bytes
+        from .native import compiled_peak, grad_bytes, selective_chain
 
         fix = ("pick the schedule for a compiled model with hcv.checkpoint(model, batch, budget, native=True) or "
                "hchain_viz.runtime.native.for_compile(solution, budget, grad_bytes(stages))")
         inductor = ("inductor's kernel scheduling can hold more than that when a region recomputes (measured up to "
                     "1.24x on nanoGPT, docs/compile.md): measure the compiled step (hcv.measure(compiled, batch)) "
                     "before relying on the budget")
-        if self.chain is None:
+        if self.chain is None or (self.selective and self.selective_chain is None):
             warnings.warn(f"torch.compile of a model trained by a native schedule: compiled whole, nested checkpoint "
                           f"regions are recomputed once each and parameter gradients are held until the backward "
-                          f"ends, so the peak can exceed the schedule's prediction (pass chain= to hcv.apply to have "
-                          f"it predicted); {fix}", stacklevel=2)
+                          f"ends, so the peak can exceed the schedule's prediction (pass chain= to hcv.apply, and "
+                          f"the selective profile as selective= for that form, to have it predicted); {fix}",
+                          stacklevel=2)
             return
-        eager = simulate(self.chain, self.schedule).peak_memory
-        compiled = compiled_peak(self.chain, self.schedule, grad_bytes(ex._modules))
+        runs = self.chain if self.selective_chain is None else selective_chain(self.chain, self.selective_chain,
+                                                                               self.schedule)
+        eager = simulate(runs, self.schedule).peak_memory
+        compiled = compiled_peak(self.chain, self.schedule, grad_bytes(ex._modules), self.selective_chain)
         if compiled > eager:
             warnings.warn(f"torch.compile of a model trained by a native schedule predicted at "
                           f"{format_bytes(eager)}: compiled whole it is predicted at {format_bytes(compiled)} "

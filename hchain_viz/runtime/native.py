@@ -16,13 +16,17 @@ turns each region into its ``checkpoint`` higher-order op; the partitioner recom
 Schedules that are not such a tree (hand-written ones that recompute a stage a different way, offloading ops) are
 refused with :class:`NotNative`, naming the op where the tree stops; :func:`segment_tree` gives the tree.
 
-``selective=True`` (:func:`selective_call`): every stage also runs under PyTorch's selective activation checkpointing,
-saving only the outputs of its costly ops (matrix products, convolutions, attention kernels, :data:`COSTLY_OPS`) and
-recomputing the rest (norms, activations, dropout, additions) in its own backward, where a compiled backward fuses
-them into the kernels that need them: what ``torch.compile``'s ``activation_memory_budget`` finds nearly free, now
-under a schedule too. The chain must be profiled so (``profile(..., compile=True, selective=True)``): its x̄ are
-what the selective stages save. Same guarantees as the regions (the recomputation replays dropout's draws; in eager
-mode the running statistics are kept).
+Selective stages (``hcv.apply(..., native=True, selective=...)``, :func:`selective_call`): every stage outside the
+checkpoint regions also runs under PyTorch's selective activation checkpointing, saving only the outputs of its
+costly ops (matrix products, convolutions, attention kernels: :data:`COSTLY_OPS`) and recomputing the rest (norms,
+activations, dropout, additions) in its own backward, where a compiled backward fuses them into the kernels that
+need them: what ``torch.compile``'s ``activation_memory_budget`` finds nearly free, here under a schedule. The stages
+inside a region run plain: a selective stage keeps its saved outputs through an enclosing region (its policy's
+"save" wins over the region's "recompute"; measured compiled on nanoGPT: 43.7 MiB whatever the regions, where they
+were predicted at 13-35 MiB). So a schedule in this form has two profiles: the plain chain for its regions' stages
+and one profiled with ``profile(..., compile=True, selective=True)`` for the others; :func:`selective_chain` is the
+chain of the two that the simulator predicts it by. Same guarantees as the regions (the recomputation replays
+dropout's draws; in eager mode the running statistics are kept).
 
 Guarantees, as the executor's (DESIGN §5):
 
@@ -72,7 +76,7 @@ from .stages import sequentialize
 from .wrap import _length_mismatch
 
 __all__ = ["NativeSchedule", "NotNative", "segment_tree", "tree_ops", "Region", "compiled_tree", "compiled_schedule",
-           "grad_bytes", "compiled_peak", "for_compile", "selective_call", "COSTLY_OPS"]
+           "grad_bytes", "compiled_peak", "for_compile", "selective_call", "selective_chain", "COSTLY_OPS"]
 
 # The aten ops whose outputs a selective stage saves: what costs most to recompute. Everything else is recomputed.
 COSTLY_OPS = ("convolution", "_convolution", "mkldnn_convolution", "cudnn_convolution", "mm", "addmm", "bmm",
@@ -188,13 +192,32 @@ def grad_bytes(stages: list[nn.Module]) -> list[int]:
     return out
 
 
-def compiled_peak(chain: Chain, schedule: Schedule, grads: list[int]) -> int:
+def compiled_peak(chain: Chain, schedule: Schedule, grads: list[int], selective: Chain | None = None) -> int:
     """Predicted peak of ``schedule`` in the native form compiled whole: the simulator's peak of
     :func:`compiled_schedule`, with each stage's parameter gradients (``grads``, from :func:`grad_bytes`) held from
-    its ``B`` to the end of the step."""
+    its ``B`` to the end of the step. ``selective``: the form with selective stages, whose profile this is
+    (:func:`selective_chain`)."""
     from ..core.simulate import simulate
 
-    return _held_peak(simulate(chain, compiled_schedule(schedule)), grads)
+    form = compiled_schedule(schedule)
+    return _held_peak(simulate(chain if selective is None else selective_chain(chain, selective, form), form), grads)
+
+
+def selective_chain(plain: Chain, selective: Chain, schedule: Schedule) -> Chain:
+    """The chain ``schedule`` runs in the native form with selective stages: a stage outside every checkpoint region
+    (forwarded once, by ``Fall``) has ``selective``'s times and sizes, a stage inside one ``plain``'s (its stages run
+    plain). ``selective`` is the same model profiled with ``profile(..., selective=True)``."""
+    import dataclasses
+
+    if selective.names != plain.names or not (selective.meta or {}).get("selective"):
+        raise InvalidSchedule("selective= takes the same model's chain profiled with profile(..., compile=True, "
+                              "selective=True)")
+    in_region = {op.stage for op in schedule.ops if op.kind in ("Fck", "Fn")}
+    mix = lambda ours, theirs: [p if i in in_region else q for i, (p, q) in enumerate(zip(ours, theirs))]  # noqa: E731
+    return dataclasses.replace(plain, fwd_time=mix(plain.fwd_time, selective.fwd_time),
+                               bwd_time=mix(plain.bwd_time, selective.bwd_time), xbar=mix(plain.xbar, selective.xbar),
+                               fwd_tmp=mix(plain.fwd_tmp, selective.fwd_tmp),
+                               bwd_tmp=mix(plain.bwd_tmp, selective.bwd_tmp))
 
 
 def _held_peak(trace: Any, grads: list[int]) -> int:
@@ -207,19 +230,25 @@ def _held_peak(trace: Any, grads: list[int]) -> int:
     return peak
 
 
-def for_compile(solution: Any, budget: int, grads: list[int]) -> Schedule:
+def for_compile(solution: Any, budget: int, grads: list[int], selective: Chain | None = None) -> Schedule:
     """The fastest single-level schedule whose compiled native form fits ``budget`` (:func:`compiled_peak`, with the
     parameter gradients ``grads`` held to the end of the backward). Candidates, each checked by the simulator: the
     single-level optimum (``solve(chain, single_level=True)``, at ``solution``'s resolution; ``solution`` itself
     when it is single-level) at budgets from ``budget`` down to its least, and the compiled forms of ``solution``'s
-    own schedules there. Raises :class:`~hchain_viz.InvalidSchedule` when none fits."""
+    own schedules there. ``selective``: for the form with selective stages (this model's chain profiled with
+    ``selective=True``): the single-level optimum on that chain is a source of candidates too, and every candidate
+    is judged on :func:`selective_chain`. Raises :class:`~hchain_viz.InvalidSchedule` when none fits."""
     from ..core.simulate import simulate
     from ..core.solver import solve
 
     chain = solution.chain
     one = solution if solution.single_level else solve(chain, solution.max_budget, solution.slots, single_level=True)
+    sources = {id(one): one, id(solution): solution}
+    if selective is not None:
+        sel = solve(selective, solution.max_budget, solution.slots, single_level=True)
+        sources[id(sel)] = sel
     best, seen = None, set()
-    for source in {id(one): one, id(solution): solution}.values():
+    for source in sources.values():
         lo = source.min_budget
         if lo is None or lo > budget:
             continue
@@ -232,7 +261,8 @@ def for_compile(solution: Any, budget: int, grads: list[int]) -> Schedule:
             if s.ops in seen:
                 continue
             seen.add(s.ops)
-            trace = simulate(chain, s)  # s is its own compiled form: one replay gives both the peak and the time
+            runs = chain if selective is None else selective_chain(chain, selective, s)
+            trace = simulate(runs, s)  # s is its own compiled form: one replay gives both the peak and the time
             if _held_peak(trace, grads) <= budget and (best is None or trace.makespan < best[0]):
                 best = (trace.makespan, s)
     if best is None:
@@ -280,13 +310,13 @@ class NativeSchedule:
         return None
 
     def _train_step(self, x: Any) -> Any:
-        return self._run(self.tree, x)
+        return self._run(self.tree, x, top=True)
 
-    def _run(self, nodes: tuple, x: Any) -> Any:
+    def _run(self, nodes: tuple, x: Any, top: bool = False) -> Any:
         for node in nodes:
             if isinstance(node, Region):
                 x = self._region(node, x)
-            elif self.selective:
+            elif top and self.selective:  # never inside a region: it would keep its saved outputs through it
                 x = selective_call(self._modules[node], x, self.preserve_rng_state)
             else:
                 x = self._modules[node](x)
