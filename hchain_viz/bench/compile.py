@@ -40,7 +40,7 @@ import argparse
 import random
 import statistics
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -93,7 +93,11 @@ def run(args: list[str]) -> None:
                         help="--native: how every model is cut (default: NATIVE_CUT, GPT-2 at sublayer, the demos "
                              "by module)")
     parser.add_argument("--candidates", type=positive_int, default=6,
-                        help="--native: DP schedules compiled (least budget to store-all)")
+                        help="--native: DP schedules compiled (least budget to store-all), per form")
+    parser.add_argument("--forms", default="plain,selective",
+                        help="--native: the stage forms whose schedules are candidates: plain (each stage saves what "
+                             "its compiled graph saves) and selective (only matrix products' and convolutions' "
+                             "outputs, the rest recomputed in its backward: apply(..., selective=True))")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="--native: where the models run (cuda: peaks from the CUDA allocator, steps "
                              "synchronized; pass --threads 0 and GPU-sized --set values)")
@@ -122,12 +126,21 @@ def run(args: list[str]) -> None:
     for name in [n.strip() for n in opts.models.split(",")]:
         sizes = (SMALL if opts.small else native_sizes if opts.native else SIZES).get(name, {})
         summary.append(_native(name, sizes, budgets, rounds, opts.candidates, opts.chain, opts.granularity,
-                               opts.device)
+                               opts.device, _forms(opts.forms))
                        if opts.native
                        else _one_model(name, sizes, budgets, rounds))
     print()
     for line in summary:
         print(line)
+
+
+def _forms(text: str) -> tuple[bool, ...]:
+    """``--forms``: per form, whether its stages are selective."""
+    known = {"plain": False, "selective": True}
+    names = [f.strip() for f in text.split(",") if f.strip()]
+    if not names or any(f not in known for f in names):
+        raise SystemExit(f"--forms {text!r}: choose from plain, selective (comma-separated)")
+    return tuple(known[f] for f in dict.fromkeys(names))
 
 
 def _cache_on_disk() -> None:
@@ -275,9 +288,11 @@ def _one_model(name: str, sizes: dict, budgets: list[float], rounds: int) -> str
 
 
 def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candidates: int,
-            chain_kind: str = "compiled", cut: str | None = None, device: str = "cpu") -> str:
+            chain_kind: str = "compiled", cut: str | None = None, device: str = "cpu",
+            forms: tuple[bool, ...] = (False, True)) -> str:
     """The native form compiled whole (inductor) against torch.compile's activation_memory_budget, measured.
-    ``cut``: ``"module"`` or ``"sublayer"`` (None: as ``NATIVE_CUT`` says)."""
+    ``cut``: ``"module"`` or ``"sublayer"`` (None: as ``NATIVE_CUT`` says); ``forms``: per stage form, whether
+    selective (``apply(..., selective=True)``), each profiled and solved on its own chain."""
     import copy
 
     from ..core.simulate import simulate
@@ -286,7 +301,7 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
     from ..runtime.apply import apply
     from ..runtime.compiled import budget_backend
     from ..runtime.measure import measure
-    from ..runtime.native import compiled_peak, compiled_schedule, grad_bytes
+    from ..runtime.native import compiled_peak, compiled_schedule, grad_bytes, selective_chain
     from ..runtime.profile import profile
     from ..runtime.stages import sequentialize
 
@@ -299,46 +314,55 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
     _progress(f"{name}: {len(budgets)} knob graphs compiled and measured in {t_knob:.0f} s")
     # Compiled whole, each stage saves what inductor's partitioner keeps (less than eager: fused pointwise ops,
     # boolean dropout masks); the chain profiled with compiled stages says so, and solves for compiled speed.
-    chain = profile(model, x, loss_fn, granularity=granularity, compile=chain_kind == "compiled", progress=False)
     grads = grad_bytes([m for _, m in sequentialize(model, x, granularity=granularity)])
-    sol = solve(chain, single_level=True)  # what torch.compile runs as scheduled (runtime/native.py)
-    _progress(f"{name}: profiled ({chain.length} stages) and solved at {time.perf_counter() - t0:.0f} s")
-    lo, hi = sol.min_budget, sol.store_all_peak
-    cands: dict[tuple, tuple[Any, int, Any, nn.Module, int]] = {}
-    for k in range(n_candidates):
-        s = compiled_schedule(sol.schedule(lo + (hi - lo) * k // max(1, n_candidates - 1)))
-        if s.ops in cands:
-            continue
-        twin = copy.deepcopy(model)
-        sequentialize(twin, x, granularity=granularity)  # the copy's own cut (an nn.Sequential's is not its children)
-        apply(twin, s, chain=chain, native=True)
-        cm = caller(torch.compile(twin))
-        cands[s.ops] = (cm, measure(cm, x, loss_fn, repeats=1).peak_bytes, s, twin, compiled_peak(chain, s, grads))
-        _progress(f"{name}: candidate {k + 1}/{n_candidates} compiled and measured at {time.perf_counter() - t0:.0f} s")
+    chain = profile(model, x, loss_fn, granularity=granularity, compile=chain_kind == "compiled", progress=False)
+    cands: dict[tuple, _Candidate] = {}
+    for selective in forms:
+        # the selective form: its stages outside regions selective, predicted by the mix of both profiles
+        picked = profile(model, x, loss_fn, granularity=granularity, compile=True, selective=True,
+                         progress=False) if selective else None
+        sol = solve(picked or chain, single_level=True)  # what torch.compile runs as scheduled (runtime/native.py)
+        form = "selective" if selective else "plain"
+        _progress(f"{name}: {form} stages profiled ({chain.length}) and solved at {time.perf_counter() - t0:.0f} s")
+        lo, hi = sol.min_budget, sol.store_all_peak
+        for k in range(n_candidates):
+            s = compiled_schedule(sol.schedule(lo + (hi - lo) * k // max(1, n_candidates - 1)))
+            if (selective, s.ops) in cands:
+                continue
+            twin = copy.deepcopy(model)
+            sequentialize(twin, x, granularity=granularity)  # the copy's own cut (a Sequential's may not be children)
+            apply(twin, s, chain=chain, native=True, selective=picked or False)
+            cm = caller(torch.compile(twin))
+            runs = chain if picked is None else selective_chain(chain, picked, s)
+            cands[selective, s.ops] = _Candidate(cm, measure(cm, x, loss_fn, repeats=1).peak_bytes, s, twin,
+                                                 compiled_peak(chain, s, grads, picked), runs, form)
+            _progress(f"{name}: {form} candidate {k + 1}/{n_candidates} compiled and measured at "
+                      f"{time.perf_counter() - t0:.0f} s")
     setup = time.perf_counter() - t0
     eager = caller(model)
-    modules = [eager, *compiled.values()] + [c[0] for c in cands.values()]
+    modules = [eager, *compiled.values()] + [c.module for c in cands.values()]
     stats = _interleaved(modules, x, loss_fn, rounds)
     t_of = {id(m): st for m, st in zip(modules, stats)}
     ref_c1 = _grads(model, compiled[1.0], x, loss_fn) if 1.0 in compiled else None
-    head = ("budget", "compile peak", "compile time", "native peak", "meas/pred", "recomputed", "native time",
-            "speedup", "grad vs c@1.0")
+    head = ("budget", "compile peak", "compile time", "native peak", "meas/pred", "stages", "recomputed",
+            "native time", "speedup", "grad vs c@1.0")
     rows, speedups = [], []
     for b in budgets:
         ct = t_of[id(compiled[b])]
         row = [f"{b:.1f}", format_bytes(c_peak[b]), _fmt_t(ct, format_time)]
-        fits = [c for c in cands.values() if c[1] <= c_peak[b]]
+        fits = [c for c in cands.values() if c.peak <= c_peak[b]]
         if not fits:
-            rows.append(row + ["(none fits)", "", "", "", "", ""])
+            rows.append(row + ["(none fits)", "", "", "", "", "", ""])
             continue
-        cm, peak, s, twin, pred = min(fits, key=lambda c: t_of[id(c[0])][0])
-        ot = t_of[id(cm)]
+        c = min(fits, key=lambda c: t_of[id(c.module)][0])
+        ot = t_of[id(c.module)]
         speedups.append(_speedup(ct, ot))
-        g = _grads(twin, cm, x, loss_fn)
-        rows.append(row + [format_bytes(peak), f"{peak / pred:.3f}", str(s.n_recomputed), _fmt_t(ot, format_time),
-                           f"{speedups[-1]:.2f}x", "-" if ref_c1 is None else _err(g, ref_c1)])
-    low = min(cands.values(), key=lambda c: c[1])
-    ratios = [c[1] / c[4] for c in cands.values()]
+        g = _grads(c.twin, c.module, x, loss_fn)
+        rows.append(row + [format_bytes(c.peak), f"{c.peak / c.predicted:.3f}", c.form,
+                           str(c.schedule.n_recomputed), _fmt_t(ot, format_time), f"{speedups[-1]:.2f}x",
+                           "-" if ref_c1 is None else _err(g, ref_c1)])
+    low = min(cands.values(), key=lambda c: c.peak)
+    ratios = [c.peak / c.predicted for c in cands.values()]
     print()
     print(f"{name} {sizes}: {chain.length} stages ({chain_kind} chain); eager step "
           f"{_fmt_t(t_of[id(eager)], format_time)}; setup "
@@ -346,12 +370,12 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
           f"(the {len(budgets)} knob graphs {t_knob:.0f} s)")
     print_table(head, rows, left=1)
     print("  candidates (compiled form): " + "; ".join(
-        f"{c[2].n_recomputed} recomputed: {format_bytes(c[1])} measured / {format_bytes(c[4])} predicted "
-        f"(without held gradients {format_bytes(simulate(chain, c[2]).peak_memory)}) "
-        f"in {format_time(t_of[id(c[0])][0])}"
-        for c in sorted(cands.values(), key=lambda c: c[1])))
+        f"{c.form}, {c.schedule.n_recomputed} recomputed: {format_bytes(c.peak)} measured / "
+        f"{format_bytes(c.predicted)} predicted (without held gradients "
+        f"{format_bytes(simulate(c.chain, c.schedule).peak_memory)}) in {format_time(t_of[id(c.module)][0])}"
+        for c in sorted(cands.values(), key=lambda c: c.peak)))
     print(f"  parameter gradients held by the compiled backward: {format_bytes(sum(grads))}")
-    least = low[1] / min(c_peak.values())
+    least = low.peak / min(c_peak.values())
     if not speedups:
         return f"{name} native: no native schedule fits under any compile peak; least peak {least:.2f}x its lowest"
     slower = sum(v < 1 / 1.03 for v in speedups)
@@ -359,6 +383,20 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
             f"{statistics.mean(speedups):.2f}x (min {min(speedups):.2f}x, max {max(speedups):.2f}x, "
             f"{len(speedups)} points, {slower} more than 3% slower); least peak {least:.2f}x compile's lowest; "
             f"measured/predicted peak {min(ratios):.3f}..{max(ratios):.3f}")
+
+
+class _Candidate(NamedTuple):
+    """A native schedule compiled whole: the compiled module, its measured peak, the schedule (compiled form), the
+    model copy it trains, its predicted compiled peak, the chain it runs (a selective form's mix of two profiles)
+    and its stage form."""
+
+    module: Any
+    peak: int
+    schedule: Any
+    twin: nn.Module
+    predicted: int
+    chain: Any
+    form: str
 
 
 def _stage_budgets(name: str, sizes: dict, budgets: list[float]) -> None:
