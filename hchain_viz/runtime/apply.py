@@ -474,7 +474,7 @@ class _Applied:
         fix = ("pick the schedule for a compiled model with hcv.checkpoint(model, batch, budget, native=True) or "
                "hchain_viz.runtime.native.for_compile(solution, budget, grad_bytes(stages))")
         inductor = ("inductor's kernel scheduling can hold more than that when a region recomputes (measured up to "
-                    "1.24x on nanoGPT, docs/compile.md): measure the compiled step (hcv.measure(compiled, batch)) "
+                    "1.44x on GPT-2, docs/compile.md): measure the compiled step (hcv.measure(compiled, batch)) "
                     "before relying on the budget")
         if self.chain is None or (self.selective and self.selective_chain is None):
             warnings.warn(f"torch.compile of a model trained by a native schedule: compiled whole, nested checkpoint "
