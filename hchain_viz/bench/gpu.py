@@ -754,7 +754,8 @@ def section_native(ctx: Ctx) -> str:
     if ctx.quick:
         args = ["--small", "--budgets", "1.0,0.0", "--candidates", "2"]
     else:
-        args = ["--threads", "0", "--budgets", "1.0,0.5,0.0", "--candidates", "2", "--rounds", "7"]
+        # two knob budgets: each knob graph took 23 s to compile on an H200, and the section gets what is left
+        args = ["--threads", "0", "--budgets", "1.0,0.5", "--candidates", "2", "--rounds", "7"]
         args += [f"--set=nanogpt.{k}={v}" for k, v in NATIVE_SIZE.items()]
     ctx.write("`python -m hchain_viz bench compile --native` on this device (docs/compile.md): the single-level "
               "optimum applied as checkpoint regions and the whole model compiled by inductor, against "
