@@ -27,9 +27,12 @@ the single-level optimum's schedules (``solve(chain, single_level=True)``: each 
 schedules torch.compile runs as scheduled, ``runtime/native.py``, NOTE [compiled memory]) at ``--candidates``
 budgets spread from its least to store-all, solved on the chain profiled with compiled stages (``--chain compiled``,
 the default: its saved tensors are inductor's, fewer than eager's), each applied to its own copy of the model and
-compiled once; per compile budget, the fastest whose measured peak is at most compile's. ``meas/pred`` is the
-measured peak over ``compiled_peak`` (the simulator's peak of that form plus the parameter gradients the compiled
-backward holds).
+compiled once; per compile budget, the fastest whose measured peak is at most compile's. ``--forms`` (default
+``plain,selective``): candidates in each stage form, the selective ones (``apply(..., selective=...)``: stages
+outside the regions save only their matrix products' and convolutions' outputs) solved on the chain profiled with
+``selective=True`` and predicted by ``selective_chain``. ``meas/pred`` is the measured peak over ``compiled_peak``
+(the simulator's peak of that form plus the parameter gradients the compiled backward holds). ``--device cuda`` runs
+it on a GPU (``bench gpu``'s native section).
 Compiled graphs are cached on disk (``TORCHINDUCTOR_CACHE_DIR``, default ``~/.cache/hchain_viz/inductor``; FX graph
 and AOTAutograd caches on), so a rerun compiles little.
 """
