@@ -425,12 +425,48 @@ def test_selective_native_form_is_bitwise_like_eager_compiled_whole_and_not():
 class _Block(nn.Module):
     """A matrix product, then cheap ops whose outputs a plain stage saves and a selective one recomputes."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, norm: type[nn.Module] = nn.BatchNorm1d):
         super().__init__()
-        self.linear, self.norm = nn.Linear(width, width), nn.BatchNorm1d(width)
+        self.linear, self.norm = nn.Linear(width, width), norm(width)
 
     def forward(self, x):
         return torch.tanh(self.norm(self.linear(x)).relu())
+
+
+def test_compiled_selective_stage_keeps_a_batch_norms_statistics_not_its_output():
+    """Under torch.compile a selective stage leaves its batch norms to the partitioner, which, with inductor's
+    decompositions, saves the per-channel statistics and recomputes the normalisation: the full-size tensors the
+    forward saves are the convolutions' outputs and the stage's input, no more (told to recompute the norm, the
+    policy would recompute its reduction over the input too)."""
+    import copy
+
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    from hchain_viz.runtime.native import selective_call
+
+    saved = []
+
+    def forward_compiler(gm, example_inputs):
+        outputs = gm.graph.output_node().args[0]
+        saved.extend(tuple(a.meta["val"].shape) for a in outputs if isinstance(a, torch.fx.Node) and "val" in a.meta)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                           partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, bias=False))
+    x = torch.randn(4, 3, 16, 16, requires_grad=True)
+    twin = copy.deepcopy(stage)
+    out = torch.compile(lambda v: selective_call(stage, v), backend=backend)(x)
+    out.sum().backward()
+    full = [shape for shape in saved if len(shape) == 4 and shape[0] == 4]
+    # the outputs: the stage's (4x8x12x12); saved: its input, the first convolution's output; the rest per channel
+    assert sorted(full) == sorted([(4, 8, 12, 12), (4, 3, 16, 16), (4, 8, 14, 14)]), saved
+    assert any(shape == (1, 8, 1, 1) for shape in saved), saved  # the statistics
+    y = twin(x.detach())  # and it computes the same: outputs, running statistics
+    assert torch.allclose(out, y, atol=1e-5) and torch.allclose(stage[1].running_var, twin[1].running_var)
 
 
 def test_selective_profile_saves_less_and_the_profiles_go_where_they_belong():
@@ -438,13 +474,15 @@ def test_selective_profile_saves_less_and_the_profiles_go_where_they_belong():
     from hchain_viz.runtime.apply import ScheduleMismatch
 
     torch.manual_seed(0)
-    model, x = nn.Sequential(*[_Block(64) for _ in range(3)], nn.Linear(64, 4)), torch.randn(32, 64)
+    # aot_eager: ATen's ops whole, its default partition saving what the backward reads (a layer norm, unlike a
+    # batch norm, is recomputed whole: _keep_costly_compiled)
+    model, x = nn.Sequential(*[_Block(64, nn.LayerNorm) for _ in range(3)], nn.Linear(64, 4)), torch.randn(32, 64)
     aot = {"backend": "aot_eager"}
     plain = hcv.profile(model, x, compile=aot, warmup=0, repeats=1, progress=False)
     chain = hcv.profile(model, x, compile=aot, selective=True, warmup=0, repeats=1, progress=False)
     assert chain.meta["selective"] is True and "selective" not in plain.meta
     assert hcv.Chain.from_json(chain.to_json()).meta["selective"] is True
-    for i in range(3):  # each block keeps its linear's output (its BatchNorm's input) and no more
+    for i in range(3):  # each block keeps its linear's output (its norm's input) and no more
         assert chain.xbar[i] < plain.xbar[i], (i, chain.xbar, plain.xbar)
     sol = hcv.solve(chain, single_level=True)
     schedule = sol.schedule(sol.min_budget)
