@@ -339,8 +339,8 @@ def selective_call(stage: Any, x: Any, preserve_rng_state: bool = True) -> Any:
     """``stage(x)`` under selective activation checkpointing: the outputs of :data:`COSTLY_OPS` are saved, every
     other op is recomputed in the stage's backward (dropout with the draws of its first run). Under
     ``torch.compile`` the partitioner follows the same policy, a batch norm's statistics kept
-    (:func:`_keep_costly_compiled`); in eager mode the recomputation updates copies of the
-    running statistics, thrown away after, so that a step updates them once."""
+    (:func:`_keep_costly_compiled`); in eager mode the recomputation updates copies of the running statistics,
+    thrown away after, so that a step updates them once."""
     import functools
 
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
