@@ -575,3 +575,4 @@ def test_selective_chain_takes_a_regions_stages_from_the_plain_profile():
         assert (mixed.xbar[i], mixed.bwd_time[i]) == (source.xbar[i], source.bwd_time[i]), i
     with pytest.raises(InvalidSchedule, match="selective=True"):
         selective_chain(plain, plain, schedule)
+    assert selective_chain(plain, None, schedule) is plain  # the plain form

@@ -336,9 +336,9 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
             sequentialize(twin, x, granularity=granularity)  # the copy's own cut (a Sequential's may not be children)
             apply(twin, s, chain=chain, native=True, selective=picked or False)
             cm = caller(torch.compile(twin))
-            runs = chain if picked is None else selective_chain(chain, picked, s)
             cands[selective, s.ops] = _Candidate(cm, measure(cm, x, loss_fn, repeats=1).peak_bytes, s, twin,
-                                                 compiled_peak(chain, s, grads, picked), runs, form)
+                                                 compiled_peak(chain, s, grads, picked),
+                                                 selective_chain(chain, picked, s), form)
             _progress(f"{name}: {form} candidate {k + 1}/{n_candidates} compiled and measured at "
                       f"{time.perf_counter() - t0:.0f} s")
     setup = time.perf_counter() - t0

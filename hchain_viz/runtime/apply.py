@@ -202,8 +202,7 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
     if verbose:
         from .native import selective_chain
 
-        runs = chain if picked is None else selective_chain(chain, picked, schedule)
-        trace, base = simulate(runs, schedule), simulate(chain, store_all(chain))
+        trace, base = simulate(selective_chain(chain, picked, schedule), schedule), simulate(chain, store_all(chain))
         overhead = trace.makespan / base.makespan - 1 if base.makespan > 0 else 0.0
         print(f"hchain_viz: {type(model).__name__} in {chain.length} stages, {asked}: "
               f"{schedule.n_recomputed} recomputed forwards, predicted activation peak "
@@ -483,9 +482,7 @@ class _Applied:
                           f"the selective profile as selective= for that form, to have it predicted); {fix}",
                           stacklevel=2)
             return
-        runs = self.chain if self.selective_chain is None else selective_chain(self.chain, self.selective_chain,
-                                                                               self.schedule)
-        eager = simulate(runs, self.schedule).peak_memory
+        eager = simulate(selective_chain(self.chain, self.selective_chain, self.schedule), self.schedule).peak_memory
         compiled = compiled_peak(self.chain, self.schedule, grad_bytes(ex._modules), self.selective_chain)
         if compiled > eager:
             warnings.warn(f"torch.compile of a model trained by a native schedule predicted at "

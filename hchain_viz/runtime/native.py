@@ -202,15 +202,18 @@ def compiled_peak(chain: Chain, schedule: Schedule, grads: list[int], selective:
     from ..core.simulate import simulate
 
     form = compiled_schedule(schedule)
-    return _held_peak(simulate(chain if selective is None else selective_chain(chain, selective, form), form), grads)
+    return _held_peak(simulate(selective_chain(chain, selective, form), form), grads)
 
 
-def selective_chain(plain: Chain, selective: Chain, schedule: Schedule) -> Chain:
+def selective_chain(plain: Chain, selective: Chain | None, schedule: Schedule) -> Chain:
     """The chain ``schedule`` runs in the native form with selective stages: a stage outside every checkpoint region
     (forwarded once, by ``Fall``) has ``selective``'s times and sizes, a stage inside one ``plain``'s (its stages run
-    plain). ``selective`` is the same model profiled with ``profile(..., selective=True)``."""
+    plain). ``selective`` is the same model profiled with ``profile(..., selective=True)``; None (the plain form):
+    ``plain`` itself."""
     import dataclasses
 
+    if selective is None:
+        return plain
     if selective.names != plain.names or not (selective.meta or {}).get("selective"):
         raise InvalidSchedule("selective= takes the same model's chain profiled with profile(..., compile=True, "
                               "selective=True)")
@@ -263,8 +266,8 @@ def for_compile(solution: Any, budget: int, grads: list[int], selective: Chain |
             if s.ops in seen:
                 continue
             seen.add(s.ops)
-            runs = chain if selective is None else selective_chain(chain, selective, s)
-            trace = simulate(runs, s)  # s is its own compiled form: one replay gives both the peak and the time
+            # s is its own compiled form: one replay gives both the peak and the time
+            trace = simulate(selective_chain(chain, selective, s), s)
             if _held_peak(trace, grads) <= budget and (best is None or trace.makespan < best[0]):
                 best = (trace.makespan, s)
     if best is None:
@@ -360,8 +363,7 @@ def selective_call(stage: Any, x: Any, preserve_rng_state: bool = True) -> Any:
 def _keep_costly(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
-    name = getattr(getattr(op, "overloadpacket", None), "__name__", "")
-    return CheckpointPolicy.MUST_SAVE if name in COSTLY_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if _op_name(op) in COSTLY_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _keep_costly_compiled(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -373,9 +375,14 @@ def _keep_costly_compiled(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     this, 64.4 MiB either way, gradients bitwise the plain compiled model's; docs/compile.md)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if "batch_norm" in getattr(getattr(op, "overloadpacket", None), "__name__", ""):
+    if "batch_norm" in _op_name(op):
         return CheckpointPolicy.PREFER_SAVE
     return _keep_costly(ctx, op, *args, **kwargs)
+
+
+def _op_name(op: Any) -> str:
+    """An aten op's name without its overload (``"convolution"``, ``"_native_batch_norm_legit"``)."""
+    return getattr(getattr(op, "overloadpacket", None), "__name__", "")
 
 
 def _norms(modules: list[nn.Module]) -> list[nn.Module]:
