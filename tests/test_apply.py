@@ -338,6 +338,58 @@ def test_checkpoint_one_liner_budgets(capsys):
     _step(model, x, y)
 
 
+def test_verify_measures_the_step_and_scales_the_budget_until_the_fastest_fits(capsys):
+    """checkpoint(..., verify=True) measures the applied model's step and applies the schedule for the budget scaled
+    by budget / measured: lower above it, higher below it; it keeps the fastest that measured within the budget, and
+    when nothing fits it raises and leaves the model plain. Driven here by the executor (no compile), from store-all
+    measured over a budget set below it, and from the least schedule with room above it."""
+    import functools
+
+    from hchain_viz.runtime.apply import _verified
+
+    model, x, y = _model(width=256, batch=512)
+    loss_fn = nn.CrossEntropyLoss()
+    loss = lambda out: loss_fn(out, y)  # noqa: E731
+    chain = hcv.profile(model, x, loss, warmup=0, repeats=1, progress=False)
+    sol = solve(chain)
+    put = functools.partial(hcv.apply, model, chain=chain, sample=x)
+    store_all = hcv.measure(model, x, loss, repeats=1).peak_bytes
+    limit = (sol.min_budget + store_all) // 2
+    put(strategies.store_all(chain))
+    schedule, measured = _verified(model, x, loss, limit, sol.schedule, put, verbose=True)
+    said = capsys.readouterr().out.splitlines()
+    assert "with 0 recomputed forwards (above" in said[0] and any("(within" in line for line in said[1:]), said
+    assert len(said) <= 4 and vars(model)["_hcv_applied"].schedule is schedule and schedule.n_recomputed > 0
+    kept = f"peak {hcv.format_bytes(measured)} with {schedule.n_recomputed} recomputed forwards (within"
+    assert measured <= limit and any(kept in line for line in said)
+    assert hcv.measure(model, x, loss, repeats=1).peak_bytes <= limit
+    hcv.remove(model)
+    put(sol.schedule(sol.min_budget))  # room above it: raised to store-all, which fits
+    assert _verified(model, x, loss, store_all + 1024, sol.schedule, put, verbose=False)[0].n_recomputed == 0
+    hcv.remove(model)
+    put(strategies.store_all(chain))
+    with pytest.raises(hcv.InfeasibleBudget, match="left as it was; give a larger budget"):
+        _verified(model, x, loss, sol.min_budget // 2, sol.schedule, put, verbose=False)  # nothing fits the lowered
+    assert "_hcv_applied" not in vars(model)
+
+
+def test_checkpoint_verify_compiled_whole_fits_its_budget_measured(capsys):
+    """The native form compiled with inductor, verified: what checkpoint leaves applied measures, compiled, within
+    the budget, and it said so."""
+    from hchain_viz.runtime.models import demo_model
+
+    model, x, loss_fn = demo_model("nanogpt", batch=4, seq=64, dim=32, heads=2, layers=2, vocab=64, dropout=0.1)
+    chain = hcv.profile(model, x, loss_fn, warmup=0, repeats=1, progress=False)
+    sol = solve(chain)
+    budget = (2 * sol.min_budget + sol.store_all_peak) // 3
+    hcv.checkpoint(model, x, budget=budget, loss_fn=loss_fn, native=True, verify=True, progress=False)
+    said = capsys.readouterr().out
+    assert "measured compiled step peak" in said and f"(within {hcv.format_bytes(budget)})" in said, said
+    assert ", measured " in said.splitlines()[-1]  # the summary gives the measured peak of what stays applied
+    torch._dynamo.reset()
+    assert hcv.measure(torch.compile(model), x, loss_fn, repeats=1).peak_bytes <= budget
+
+
 def test_compiled_form_is_single_level_and_for_compile_fits_its_budget():
     """What torch.compile runs for a native schedule (runtime/native.py, NOTE [compiled memory]): nested regions
     collapse into their top-level regions; the gradients held to the end of the backward count in its peak."""

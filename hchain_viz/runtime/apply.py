@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from ..core.chain import Chain
 from ..core.schedule import Schedule
 from ..core.units import format_bytes, format_time
-from ..errors import HChainError
+from ..errors import HChainError, InfeasibleBudget
 from .compiled import check_not_compiled
 from .wrap import ScheduledModule, _as_schedule
 
@@ -136,7 +136,7 @@ def is_applied(model: Any) -> bool:
 def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
                device_memory: int | str | None = None, loss_fn: Any = None,
                optimizer: torch.optim.Optimizer | None = None, granularity: str | int | None = None,
-               native: bool = False, selective: bool = False, progress: bool = True,
+               native: bool = False, selective: bool = False, verify: bool = False, progress: bool = True,
                verbose: bool = True) -> nn.Module:
     """Profile ``model`` on ``batch``, solve, and apply the fastest schedule that fits; returns ``model``.
 
@@ -152,9 +152,14 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
     is compiled whole (``torch.compile(model)``, see ``runtime/native.py``). ``selective`` (with ``native``): the
     stages outside its checkpoint regions save only their matrix products' and convolutions' outputs (see
     :func:`apply`); the model is profiled twice, with compiled stages, plain and selective (a compile per stage
-    each). Prints the budget, the predicted peak
-    and the predicted overhead against store-all (``verbose=False``: silent); ``progress`` shows progress bars while
-    profiling.
+    each). ``verify``: then measure one training step of the model on ``batch`` (``hcv.measure``; compiled whole by
+    ``torch.compile(model)`` when ``native``, so the model is compiled here) and apply the schedule for the budget
+    scaled by budget / measured: lower when the step is above the budget (compiled, inductor's kernel scheduling can
+    hold up to 1.44x the prediction, docs/compile.md), higher when it has room left (the prediction was above the
+    step), until a schedule comes back or four steps are measured. The fastest that measured within the budget stays
+    applied; raises :class:`~hchain_viz.InfeasibleBudget`, the model left plain, when none did. Prints the budget,
+    the predicted peak and the predicted overhead against store-all, and each measured peak (``verbose=False``:
+    silent); ``progress`` shows progress bars while profiling.
     """
     from ..core.simulate import simulate
     from ..core.solver import solve
@@ -191,14 +196,21 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
     else:
         schedule = store_all(chain)
         asked = "no budget (CPU model, no device memory given): store-all"
-    if native and "budget" in schedule.meta:  # the fastest schedule whose compiled form fits (runtime/native.py)
+    limit = _bytes(schedule.meta["budget"]) if "budget" in schedule.meta else None  # activation bytes
+    fitting = sol.schedule  # the schedule for an activation budget
+    if native and limit is not None:  # the fastest schedule whose compiled form fits (runtime/native.py)
         from .native import for_compile, grad_bytes
         from .stages import sequentialize
 
-        stages = [m for _, m in sequentialize(model, batch, granularity=granularity)]
+        grads = grad_bytes([m for _, m in sequentialize(model, batch, granularity=granularity)])
         # The budget as given, not capped at the store-all peak: compiled, the gradients held add to every peak
-        schedule = for_compile(sol, _bytes(schedule.meta["budget"]), grad_bytes(stages), picked)
-    apply(model, schedule, chain=chain, sample=batch, native=native, selective=picked or False)
+        fitting = functools.partial(for_compile, sol, grads=grads, selective=picked)
+        schedule = fitting(limit)
+    put = functools.partial(apply, model, chain=chain, sample=batch, native=native, selective=picked or False)
+    put(schedule)
+    measured = None
+    if verify:
+        schedule, measured = _verified(model, batch, loss_fn, limit, fitting, put, verbose)
     if verbose:
         from .native import selective_chain
 
@@ -206,9 +218,85 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
         overhead = trace.makespan / base.makespan - 1 if base.makespan > 0 else 0.0
         print(f"hchain_viz: {type(model).__name__} in {chain.length} stages, {asked}: "
               f"{schedule.n_recomputed} recomputed forwards, predicted activation peak "
-              f"{format_bytes(trace.peak_memory)} (store-all {format_bytes(base.peak_memory)}), predicted step "
-              f"{format_time(trace.makespan)} ({overhead:+.1%} vs store-all)")
+              f"{format_bytes(trace.peak_memory)} (store-all {format_bytes(base.peak_memory)})"
+              + ("" if measured is None else f", measured {format_bytes(measured)}")
+              + f", predicted step {format_time(trace.makespan)} ({overhead:+.1%} vs store-all)")
     return model
+
+
+_VERIFY_TRIES = 4  # measured steps at most: the overshoot of inductor's scheduling is not the same at each budget
+
+
+def _verified(model: nn.Module, batch: Any, loss_fn: Any, limit: int | None, fitting: Any, put: Any,
+              verbose: bool) -> tuple[Schedule, int]:
+    """Measure the applied model's step on ``batch`` (compiled whole in the native form), then apply (``put``) the
+    schedule ``fitting`` gives for the budget scaled by ``limit`` over what was measured (lower when the step is
+    above ``limit``, higher when below), until a schedule comes back or four steps are measured. Leaves applied, and
+    returns with its measured peak, the schedule for the highest budget that measured within ``limit`` (the fastest,
+    by the chain)."""
+    from .measure import measure
+
+    state = model.__dict__[_ATTR]
+    schedule, target = state.schedule, limit
+    tried: set[tuple] = set()
+    best: tuple[int, Schedule, int] | None = None  # (budget chosen for, schedule, measured) that measured within
+    why = ""
+    while True:
+        state.warned = True  # the compiled-memory warning says to measure: done here
+        runner = _BatchCall(torch.compile(model) if state.native else model, state.structure)
+        measured = measure(runner, batch, loss_fn, repeats=1).peak_bytes
+        tried.add(schedule.ops)
+        fits = limit is None or measured <= limit
+        if verbose:
+            print(f"hchain_viz: measured {'compiled ' if state.native else ''}step peak {format_bytes(measured)} "
+                  f"with {schedule.n_recomputed} recomputed forwards"
+                  + ("" if limit is None else f" ({'within' if fits else 'above'} {format_bytes(limit)})"))
+        if limit is None:
+            return schedule, measured
+        if fits and (best is None or target > best[0]):
+            best = (target, schedule, measured)
+        if len(tried) == _VERIFY_TRIES:
+            break
+        following = schedule
+        while following.ops == schedule.ops:  # the budget scaled by the overshoot (or the room left) until it changes
+            target = target * limit // measured
+            try:
+                following = fitting(target)
+            except HChainError as e:  # nothing fits the lowered budget
+                why = f"; nothing fits {format_bytes(target)} ({e})"
+                break
+            if fits:  # raised: the same schedule again is as fast as this budget allows
+                break
+        if why or following.ops in tried:
+            break
+        remove(model)
+        put(following)
+        state, schedule = model.__dict__[_ATTR], following
+    if best is None:
+        remove(model)
+        raise InfeasibleBudget(
+            f"no schedule measured within the budget of {format_bytes(limit)}: the last of {len(tried)} measured "
+            f"{format_bytes(measured)} with {schedule.n_recomputed} recomputed forwards{why}. The model is left as it "
+            f"was; give a larger budget or a smaller batch"
+            + (", or run the schedule by the executor (native=False), whose peaks are at most its predictions"
+               if state.native else ""), budget=limit)
+    if best[1] is not schedule:
+        remove(model)
+        put(best[1])
+    return best[1], best[2]
+
+
+class _BatchCall(nn.Module):
+    """Calls a model with a batch in the form it was profiled in (``model(**batch)`` for a dict), as
+    :func:`~hchain_viz.measure` passes its sample as one argument."""
+
+    def __init__(self, model: nn.Module, structure: Any):
+        super().__init__()
+        self.model, self.structure = model, structure
+
+    def forward(self, batch: Any) -> Any:
+        args, kwargs = self.structure.as_call(batch)
+        return self.model(*args, **kwargs)
 
 
 def _bytes(value: int | str) -> int:
@@ -474,7 +562,8 @@ class _Applied:
                "hchain_viz.runtime.native.for_compile(solution, budget, grad_bytes(stages))")
         inductor = ("inductor's kernel scheduling can hold more than that when a region recomputes (measured up to "
                     "1.44x on GPT-2, docs/compile.md): measure the compiled step (hcv.measure(compiled, batch)) "
-                    "before relying on the budget")
+                    "before relying on the budget, or let hcv.checkpoint(..., native=True, verify=True) measure it "
+                    "and lower the budget until it fits")
         if self.chain is None or (self.selective and self.selective_chain is None):
             warnings.warn(f"torch.compile of a model trained by a native schedule: compiled whole, nested checkpoint "
                           f"regions are recomputed once each and parameter gradients are held until the backward "
