@@ -563,7 +563,7 @@ class _Applied:
         inductor = ("inductor's kernel scheduling can hold more than that when a region recomputes (measured up to "
                     "1.44x on GPT-2, docs/compile.md): measure the compiled step (hcv.measure(compiled, batch)) "
                     "before relying on the budget, or let hcv.checkpoint(..., native=True, verify=True) measure it "
-                    "and lower the budget until it fits")
+                    "and keep the fastest schedule that measures within the budget")
         if self.chain is None or (self.selective and self.selective_chain is None):
             warnings.warn(f"torch.compile of a model trained by a native schedule: compiled whole, nested checkpoint "
                           f"regions are recomputed once each and parameter gradients are held until the backward "
