@@ -28,14 +28,19 @@ from .core.simulate import Trace, simulate
 from .core.solver import Solution, optimal_schedule, solve
 from .core.units import format_bytes, format_time, parse_bytes
 from .errors import (
+    AlreadyApplied,
     DependencyError,
+    DoubleCheckpointing,
     DoesNotFit,
     HChainError,
     InfeasibleBudget,
+    InputMismatch,
     InvalidChain,
     InvalidSchedule,
+    NotNative,
     NotSequentialError,
     ProfileError,
+    ScheduleMismatch,
     TimingWarning,
 )
 
@@ -52,11 +57,6 @@ _LAZY = {
     "apply": ("runtime.apply", "apply"),
     "remove": ("runtime.apply", "remove"),
     "checkpoint": ("runtime.apply", "checkpoint"),
-    "AlreadyApplied": ("runtime.apply", "AlreadyApplied"),
-    "ScheduleMismatch": ("runtime.apply", "ScheduleMismatch"),
-    "InputMismatch": ("runtime.apply", "InputMismatch"),
-    "DoubleCheckpointing": ("runtime.apply", "DoubleCheckpointing"),
-    "NotNative": ("runtime.native", "NotNative"),
     "models": ("runtime.models", None),
     "Explorer": ("viz.explorer", "Explorer"),
     "explore": ("viz.explorer", "explore"),

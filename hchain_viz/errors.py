@@ -48,5 +48,26 @@ class DoesNotFit(InfeasibleBudget):
     memory (bytes, margin included) that fits (DESIGN §7)."""
 
 
+class AlreadyApplied(HChainError, ValueError):
+    """``apply`` on a model that already trains by a schedule."""
+
+
+class ScheduleMismatch(HChainError, ValueError):
+    """The schedule (or the chain it was solved for) is not for this model as it is now: another model, other input
+    shapes, or a model whose modules or parameters changed after profiling or applying."""
+
+
+class InputMismatch(HChainError, ValueError):
+    """A training call whose inputs differ in structure from the inputs the schedule was profiled with."""
+
+
+class DoubleCheckpointing(HChainError, RuntimeError):
+    """Hugging Face's own activation checkpointing met a model that trains by a schedule: both would recompute."""
+
+
+class NotNative(InvalidSchedule):
+    """The schedule is not a tree of segments (nested checkpoint regions); it can still run by the executor."""
+
+
 class TimingWarning(UserWarning):
     """Measured times varied a lot across repeats (a busy machine): predictions are uncertain by as much."""

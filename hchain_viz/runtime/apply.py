@@ -39,7 +39,8 @@ from torch.utils import _pytree as pytree
 from ..core.chain import Chain
 from ..core.schedule import Schedule
 from ..core.units import format_bytes, format_time
-from ..errors import HChainError, InfeasibleBudget
+from ..errors import (AlreadyApplied, DoubleCheckpointing, HChainError, InfeasibleBudget, InputMismatch,  # noqa: F401
+                      ScheduleMismatch)
 from .compiled import check_not_compiled
 from .wrap import ScheduledModule, _as_schedule
 
@@ -51,23 +52,6 @@ _ATTR = "_hcv_applied"  # the instance attribute holding the applied state (outs
 LOSS_KWARGS = frozenset({"num_items_in_batch"})
 # Methods that turn on Hugging Face's own activation checkpointing: refused while a schedule is applied.
 _HF_CHECKPOINTING = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
-
-
-class AlreadyApplied(HChainError, ValueError):
-    """``apply`` on a model that already trains by a schedule."""
-
-
-class ScheduleMismatch(HChainError, ValueError):
-    """The schedule (or the chain it was solved for) is not for this model as it is now: another model, other input
-    shapes, or a model whose modules or parameters changed after profiling or applying."""
-
-
-class InputMismatch(HChainError, ValueError):
-    """A training call whose inputs differ in structure from the inputs the schedule was profiled with."""
-
-
-class DoubleCheckpointing(HChainError, RuntimeError):
-    """Hugging Face's own activation checkpointing met a model that trains by a schedule: both would recompute."""
 
 
 # ---------------------------------------------------------------------------------------------- public API

@@ -73,7 +73,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from ..core.chain import Chain
 from ..core.schedule import Op, Schedule
-from ..errors import InvalidSchedule
+from ..errors import InvalidSchedule, NotNative  # noqa: F401
 from .stages import sequentialize
 from .wrap import _length_mismatch
 
@@ -84,10 +84,6 @@ __all__ = ["NativeSchedule", "NotNative", "segment_tree", "tree_ops", "Region", 
 COSTLY_OPS = ("convolution", "_convolution", "mkldnn_convolution", "cudnn_convolution", "mm", "addmm", "bmm",
               "baddbmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-
-
-class NotNative(InvalidSchedule):
-    """The schedule is not a tree of segments (nested checkpoint regions); it can still run by the executor."""
 
 
 @dataclass(frozen=True)
