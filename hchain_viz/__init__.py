@@ -30,8 +30,8 @@ from .core.units import format_bytes, format_time, parse_bytes
 from .errors import (
     AlreadyApplied,
     DependencyError,
-    DoubleCheckpointing,
     DoesNotFit,
+    DoubleCheckpointing,
     HChainError,
     InfeasibleBudget,
     InputMismatch,
@@ -69,8 +69,8 @@ __all__ = [
     "optimal_schedule", "strategies",
     "format_bytes", "format_time", "parse_bytes",
     "HChainError", "InvalidChain", "InvalidSchedule", "InfeasibleBudget", "NotSequentialError", "ProfileError",
-    "TimingWarning",
-    "DependencyError", "DoesNotFit", *_LAZY,
+    "TimingWarning", "DependencyError", "DoesNotFit", "AlreadyApplied", "ScheduleMismatch", "InputMismatch",
+    "DoubleCheckpointing", "NotNative", *_LAZY,
 ]
 
 

@@ -39,8 +39,14 @@ from torch.utils import _pytree as pytree
 from ..core.chain import Chain
 from ..core.schedule import Schedule
 from ..core.units import format_bytes, format_time
-from ..errors import (AlreadyApplied, DoubleCheckpointing, HChainError, InfeasibleBudget, InputMismatch,  # noqa: F401
-                      ScheduleMismatch)
+from ..errors import (  # noqa: F401 (the error classes stay importable from here)
+    AlreadyApplied,
+    DoubleCheckpointing,
+    HChainError,
+    InfeasibleBudget,
+    InputMismatch,
+    ScheduleMismatch,
+)
 from .compiled import check_not_compiled
 from .wrap import ScheduledModule, _as_schedule
 
