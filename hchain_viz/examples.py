@@ -68,7 +68,7 @@ def _regenerate(out: Path = _DATA) -> None:
     import torch
     import torchvision
 
-    from .bench.models import _cross_entropy, _starts, _user_stages
+    from .bench.models import cross_entropy, segment_starts, user_stages
     from .runtime.profile import profile
     from .runtime.stages import sequentialize
 
@@ -79,9 +79,9 @@ def _regenerate(out: Path = _DATA) -> None:
         model = getattr(torchvision.models, arch)(weights=None, num_classes=10).train()
         x, target = torch.randn(_BATCH, 3, _SIDE, _SIDE), torch.randint(0, 10, (_BATCH,))
         stages = sequentialize(model, x, granularity=granularity)
-        chain = profile(stages, x, _cross_entropy(target), progress=True)
-        user = _user_stages(arch, model)
-        starts = {str(n): list(_starts(user, chain.names, n)) for n in range(1, len(user) + 1)}
+        chain = profile(stages, x, cross_entropy(target), progress=True)
+        user = user_stages(arch, model)
+        starts = {str(n): list(segment_starts(user, chain.names, n)) for n in range(1, len(user) + 1)}
         source = (f"torchvision {arch}, random weights, batch {_BATCH}, 3x{_SIDE}x{_SIDE}, cross-entropy loss, "
                   f"granularity {granularity!r}, CPU, 1 thread, torch {torch.__version__}, torchvision "
                   f"{torchvision.__version__}")

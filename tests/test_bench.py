@@ -138,16 +138,16 @@ def test_measured_measures_read_measured_points():
     import hchain_viz as hcv
     from hchain_viz.core.simulate import peak_and_makespan
     from hchain_viz.core.solver import least_budget, store_all_peak
-    from hchain_viz.core.strategies import _candidates, store_all
+    from hchain_viz.core.strategies import store_all
 
     pytest.importorskip("torch")
     from hchain_viz.bench import optimal_at
-    from hchain_viz.bench.transformers import FRAMEWORK, measured_measures
+    from hchain_viz.bench.transformers import framework_schedules, measured_measures
 
     chain = hcv.Chain.transformer(4)
     lo, hi = least_budget(chain), store_all_peak(chain)
     optimal = [optimal_at(chain, lo + (hi - lo) * k // 9) for k in range(10)]
-    framework = [(f, s) for f, cands in _candidates(chain).items() if f in FRAMEWORK for *_, s in cands]
+    framework = framework_schedules(chain)
     runs = []
     for key, family, s in ([("sub", "optimal", s) for s in optimal] + [("sub", f, s) for f, s in framework]
                            + [("module", "optimal", s) for s in optimal] + [("module", "store_all", store_all(chain))]):
@@ -167,10 +167,10 @@ def test_native_checkpoint_sequential_is_charged_one_backward_call(starts):
     from hchain_viz import examples
     from hchain_viz.bench.models import _native_time
     from hchain_viz.core.simulate import simulate
-    from hchain_viz.core.strategies import _segmented
+    from hchain_viz.core.strategies import segments
 
     chain = examples.load("densenet121-module")
     assert chain.backward_call > 0
-    schedule = _segmented(chain, starts, {})
+    schedule = segments(chain, starts)
     executor = simulate(chain, schedule).makespan
     assert executor - _native_time(chain, schedule) == pytest.approx((len(starts) - 1) * chain.backward_call)

@@ -253,7 +253,7 @@ def test_bench_replays_checkpoint_sequential_over_the_children_on_a_finer_chain(
     """bench models --cnn: checkpoint_sequential(children, n)'s segments start, in a sub-layer chain, at the first
     stage of the child that starts them; one starting inside the stem starts with the chain, inside the head with
     the head."""
-    from hchain_viz.bench.models import _starts
+    from hchain_viz.bench.models import segment_starts as _starts
 
     user = [(n, nn.Identity()) for n in ("conv1", "bn1+relu", "maxpool", "layer1", "layer2", "avgpool", "fc")]
     names = ("stem", "layer1.0.conv1", "layer1.0.conv2", "layer1.1.conv1", "layer2.0.conv1", "layer2.0.conv2", "head")

@@ -646,7 +646,7 @@ def gpt2(*, batch: int, seq: int, vocab: int, dim: int, heads: int, layers: int,
     import torch
     import transformers
 
-    from .models import _cross_entropy
+    from .models import cross_entropy
 
     transformers.logging.set_verbosity_error()
     config = transformers.GPT2Config(n_layer=layers, n_embd=dim, n_head=heads, vocab_size=vocab, n_positions=seq,
@@ -657,7 +657,7 @@ def gpt2(*, batch: int, seq: int, vocab: int, dim: int, heads: int, layers: int,
         ids, target = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
     model = model.to(device)
     ids, target = ids.to(device), target.to(device)
-    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, _cross_entropy(target)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, cross_entropy(target)
 
 
 def _within(r: float, goal: tuple[float, float]) -> bool:

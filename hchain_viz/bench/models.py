@@ -161,7 +161,9 @@ class _Unavailable(Exception):
     """An optional package is missing or cannot be imported here."""
 
 
-def _cross_entropy(target: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+def cross_entropy(target: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    """A loss function for ``profile``/``measure``: cross-entropy of the output's logits (``out.logits`` for a Hugging
+    Face output, else ``out``) against ``target``, flattened over every position."""
     def loss(out: Any) -> torch.Tensor:
         logits = out.logits if hasattr(out, "logits") else out
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
@@ -194,7 +196,7 @@ def _gpt2() -> tuple:
     model = transformers.GPT2LMHeadModel(config)
     ids, target = torch.randint(0, 256, (8, 128)), torch.randint(0, 256, (8, 128))
     inp = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    return model, inp, _cross_entropy(target), "8x128 tokens"
+    return model, inp, cross_entropy(target), "8x128 tokens"
 
 
 def _torchvision(name: str) -> Callable[[], tuple]:
@@ -206,7 +208,7 @@ def _torchvision(name: str) -> Callable[[], tuple]:
         torch.manual_seed(0)
         model = getattr(torchvision.models, name)(weights=None, num_classes=10)
         x, target = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
-        return model, x, _cross_entropy(target), "8x3x64x64"
+        return model, x, cross_entropy(target), "8x3x64x64"
 
     return build
 
@@ -284,13 +286,13 @@ def _floor(chain: Any) -> tuple[int, str]:
                   f"+ {adds}")
 
 
-def _user_stages(name: str, model: nn.Module) -> list[tuple[str, nn.Module]]:
+def user_stages(name: str, model: nn.Module) -> list[tuple[str, nn.Module]]:
     """What users hand ``checkpoint_sequential``: the top-level children in forward order, with the forward's
     functional bits as modules (flatten; DenseNet's final ReLU and pooling); a DenseNet's ``features`` is opened
     (``checkpoint_sequential(model.features, n, x)`` is how it is checkpointed by hand). A child that overwrites its
     input (ResNet's ``relu``, ReLU(inplace=True)) joins the one before it: at a segment boundary it would overwrite a
     checkpoint, and backward fails (the fix a user makes after that error)."""
-    from ..runtime.stages import _declares_inplace, _fuse_marked
+    from ..runtime.stages import fuse
 
     if name.startswith("densenet"):
         stages = [*model.features.named_children(), ("relu", nn.ReLU()), ("pool", nn.AdaptiveAvgPool2d(1)),
@@ -298,14 +300,20 @@ def _user_stages(name: str, model: nn.Module) -> list[tuple[str, nn.Module]]:
     else:
         kids = [(n, m) for n, m in model.named_children() if n not in ("fc", "AuxLogits")]
         stages = [*kids, ("flatten", nn.Flatten(1)), ("fc", model.fc)]
-    return _fuse_marked(stages, [_declares_inplace(m) for _, m in stages])
+    out: list[tuple[str, nn.Module]] = []
+    for stage in stages:
+        if getattr(stage[1], "inplace", False) is True and out:  # ReLU(inplace=True) and the like say so
+            out[-1] = fuse([out[-1], stage])
+        else:
+            out.append(stage)
+    return out
 
 
 def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list[str]]]:
     """The table's rows for one model (one per granularity), and its lines: what sets each least budget, and each
     point's gains."""
     from ..core.simulate import simulate
-    from ..core.strategies import _segmented, store_all
+    from ..core.strategies import segments, store_all
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.profile import profile
     from ..runtime.stages import sequentialize
@@ -322,10 +330,10 @@ def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list
     extra = {"aux_logits": False, "init_weights": False} if name == "inception_v3" else {}
     model = getattr(torchvision.models, name)(weights=None, num_classes=10, **extra).train()
     x, target = torch.randn(opts.batch, 3, side, side), torch.randint(0, 10, (opts.batch,))
-    loss_fn = _cross_entropy(target)
+    loss_fn = cross_entropy(target)
     shape = f"{opts.batch}x3x{side}x{side}"
 
-    user = _user_stages(name, model)
+    user = user_stages(name, model)
     seq = nn.Sequential(*[m for _, m in user])
     with torch.random.fork_rng():
         model.eval()
@@ -356,7 +364,7 @@ def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list
                     runs[b] = (wrap(g_seq, schedule), simulate(chain, schedule).makespan)
             # checkpoint_sequential over the top-level children, replayed on this very profile (two profiles of a
             # busy machine differ by more than the gains): its segments start where those children start
-            ckpt_sim = [_native_time(chain, _segmented(chain, _starts(user, chain.names, n), {}))
+            ckpt_sim = [_native_time(chain, segments(chain, segment_starts(user, chain.names, n)))
                         for n in range(1, L + 1)]
             per_g.append((g, len(stages), chain, least, runs, ckpt_sim))
     # checkpoint_sequential's Pareto-efficient n, from a few rounds of its own
@@ -415,7 +423,7 @@ def _native_time(chain: Any, schedule: Any) -> float:
     return simulate(no_calls, schedule).makespan + chain.backward_call
 
 
-def _starts(user: list[tuple[str, nn.Module]], names: tuple[str, ...], segments: int) -> tuple[int, ...]:
+def segment_starts(user: list[tuple[str, nn.Module]], names: tuple[str, ...], segments: int) -> tuple[int, ...]:
     """The first stage of each of ``checkpoint_sequential(children, segments)``'s segments in a finer chain whose
     stages are named after the children (``layer1``, ``layer1.0``, ``layer1.0.conv2``; ``stem`` and ``head`` hold
     the children before the first and after the last one named). A segment that would start inside the stem starts

@@ -232,6 +232,26 @@ FRAMEWORK = ("store_all", "per_layer", "selective", "layer_periodic", "megatron_
 HF = ("store_all", "per_layer")  # Hugging Face gradient checkpointing off / on
 
 
+def framework_schedules(chain: Any) -> list[tuple[str, Any]]:
+    """``(family, schedule)`` for every setting of the :data:`FRAMEWORK` baselines that applies to ``chain``: store-all,
+    per-layer, ``checkpoint_sequential`` over layers at every segment count, Megatron block (k = 0..layers) and
+    uniform (k = 1..layers), and selective where the chain tags its core attention."""
+    from ..core import strategies as S
+
+    families = set(S.applicable(chain))
+    out: list[tuple[str, Any]] = [("store_all", S.store_all(chain))]
+    if "per_layer" in families:
+        n = len(chain.groups)
+        units = chain.length - sum(last - first for _, first, last in chain.groups)  # layers, and stages outside
+        out.append(("per_layer", S.per_layer(chain)))
+        out += [("layer_periodic", S.layer_periodic(chain, k)) for k in range(1, units + 1)]
+        out += [("megatron_block", S.megatron_block(chain, k)) for k in range(n + 1)]
+        out += [("megatron_uniform", S.megatron_uniform(chain, k)) for k in range(1, n + 1)]
+    if "selective" in families:
+        out.append(("selective", S.selective(chain)))
+    return out
+
+
 def _chain(name: str, layers: int, seq: int, granularity: str | None, opts: Any, estimate: bool = True):
     """(chain, stages, x, loss_fn) of ``name`` at ``granularity``, times a roofline H100 estimate when ``estimate``."""
     from types import SimpleNamespace
@@ -326,7 +346,7 @@ def _measured_points(name: str, layers: int, seq: int, opts: Any) -> list[tuple]
     One row per schedule: (chain key, family or "optimal", predicted peak, measured peak, step-time samples)."""
     from ..core.simulate import peak_and_makespan
     from ..core.solver import solve
-    from ..core.strategies import _candidates, store_all
+    from ..core.strategies import store_all
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.wrap import wrap
     from .train import _interleaved_times
@@ -351,8 +371,7 @@ def _measured_points(name: str, layers: int, seq: int, opts: Any) -> list[tuple]
         if key == "sub":
             # The optimum also at each baseline's measured peak and at 0.75x the least of them (its prediction
             # bounds its measured peak, so it fits there): the grid alone is coarse at low budgets.
-            peaks = [run(family, s) for family, cands in _candidates(chain).items() if family in FRAMEWORK
-                     for *_, s in cands]
+            peaks = [run(family, s) for family, s in framework_schedules(chain)]
             budgets |= {b for b in (*peaks, int(0.75 * min(peaks))) if lo <= b}
         else:  # the module chain's store-all time: its overheads are taken over it
             run("store_all", store_all(chain))
