@@ -69,5 +69,15 @@ class NotNative(InvalidSchedule):
     """The schedule is not a tree of segments (nested checkpoint regions); it can still run by the executor."""
 
 
+class InvalidPipeline(HChainError, ValueError):
+    """A pipeline request that cannot be planned or run: more stages than layers, an unknown pipeline schedule, a
+    world size that is not the plan's number of stages (docs/design.md §12)."""
+
+
+class PipelineDoesNotFit(InfeasibleBudget):
+    """No pipeline plan fits the per-device memory; ``min_budget`` is the least per-device memory (bytes) for this
+    number of devices and microbatches."""
+
+
 class TimingWarning(UserWarning):
     """Measured times varied a lot across repeats (a busy machine): predictions are uncertain by as much."""
