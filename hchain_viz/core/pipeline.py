@@ -1,0 +1,760 @@
+"""Pipeline parallelism with the memory each stage really holds (docs/design.md §12).
+
+A :class:`PipelinePlan` splits a chain into P contiguous pipeline stages, one per device, and gives each its own
+checkpointing :class:`~hchain_viz.core.schedule.Schedule`. With M microbatches, stage s (from 0) holds the stored
+activations of ``in_flight(kind, P, M, s)`` microbatches at once: ``min(P - s, M)`` under 1F1B, ``M`` under GPipe.
+Its peak is its fixed memory (parameters, gradients, optimizer state) plus ``in_flight - 1`` microbatches' stored
+activations plus one microbatch's working peak. The first stage therefore runs out first, and the best schedule
+differs per stage.
+
+:func:`plan_pipeline` chooses the partition and the per-stage schedules together: each stage's schedule is the
+fastest one (of the sub-chain's optimal frontier and the uniform policies) whose in-flight peak fits; the partition
+is found by a dynamic programme over split points, scored by :meth:`PipelinePlan.simulate`, the event-level timeline
+of every rank (forwards and backwards per microbatch, recomputation inside the backwards, point-to-point transfers
+over a link of ``bandwidth`` bytes/s at each boundary).
+
+Splits fall between layers: ``chain.groups`` when the chain has them (stages before the first group join it, those
+after the last join the last), else between any two stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..errors import HChainError, InvalidPipeline, PipelineDoesNotFit
+from .chain import Chain, bandwidth_of
+from .fixed import FixedMemory
+from .schedule import Schedule
+from .simulate import Trace, simulate
+from .strategies import per_layer, recompute_all, store_all
+from .units import format_bytes, format_time, parse_bytes
+
+PIPELINE_SCHEDULES = ("1F1B", "GPipe")
+
+__all__ = ["PIPELINE_SCHEDULES", "FitAnswer", "Pipeline", "PipelinePlan", "PipelineStage", "PipelineTrace", "StageRun",
+           "in_flight", "plan_pipeline", "baseline_plans", "fit_pipeline", "stage_chain", "split_units"]
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def pipeline_kind(schedule: Any) -> str:
+    """The canonical name of a pipeline schedule (``"1F1B"`` or ``"GPipe"``, any case). Raises InvalidPipeline."""
+    for name in PIPELINE_SCHEDULES:
+        if isinstance(schedule, str) and schedule.strip().lower() == name.lower():
+            return name
+    raise InvalidPipeline(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(PIPELINE_SCHEDULES)} "
+                          f"(interleaved schedules are not modelled)")
+
+
+def in_flight(kind: str, devices: int, microbatches: int, stage: int) -> int:
+    """Microbatches whose stored activations stage ``stage`` (from 0) holds at once: ``min(P - s, M)`` under 1F1B
+    (torch's ``Schedule1F1B`` runs that many warm-up forwards), ``M`` under GPipe."""
+    return microbatches if pipeline_kind(kind) == "GPipe" else min(devices - stage, microbatches)
+
+
+def split_units(chain: Chain) -> list[tuple[int, int]]:
+    """The chain's layers as ``(first, end)`` stage ranges that cover it: where a pipeline may be split."""
+    L = chain.length
+    if not chain.groups:
+        return [(i, i + 1) for i in range(L)]
+    starts = [first for _, first, _ in chain.groups]
+    starts[0] = 0  # stages before the first layer (the embedding) go with it; between layers, with the next one
+    return list(zip(starts, starts[1:] + [L]))
+
+
+def stage_chain(chain: Chain, first: int, end: int) -> Chain:
+    """Stages ``first .. end-1`` of ``chain`` as a chain of their own: one pipeline stage, whose loss is the
+    gradient it receives from the next stage (δ of size ``delta_bytes[end]``). Its input and output are whole
+    tensors (received and sent), so their transit and consumed parts are not freed early; the fixed memory is
+    split by the stages' gradient bytes (see :func:`stage_fixed`)."""
+    L = chain.length
+    if not (isinstance(first, int) and isinstance(end, int) and 0 <= first < end <= L):
+        raise InvalidPipeline(f"a pipeline stage spans stages first..end-1 with 0 <= first < end <= {L}; got "
+                              f"first={first!r}, end={end!r}")
+
+    def boundary(v: Sequence[int]) -> list[int]:  # per boundary first..end, zero at the two ends
+        return [0] + list(v[first + 1:end]) + [0]
+
+    shared, index = [], {}
+    for n, (a, b, size) in enumerate(chain.shared):
+        lo, hi = max(a, first), min(b, end)
+        if lo < hi:
+            index[n] = len(shared)
+            shared.append((lo - first, hi - first, size))
+    consumed_shared = [index[n] for n in chain.consumed_shared
+                       if n in index and first < chain.shared[n][0] and chain.shared[n][1] < end]
+    tied = [t for t in (tuple(i - first for i in s if first <= i < end) for s in chain.tied) if len(t) >= 2]
+    spread = [chain.copy_spread[k] for k, s in enumerate(chain.tied)
+              if len([i for i in s if first <= i < end]) >= 2] if chain.copy_spread else []
+    return Chain(
+        fwd_time=chain.fwd_time[first:end], bwd_time=chain.bwd_time[first:end], x=chain.x[first:end + 1],
+        xbar=chain.xbar[first:end], fwd_tmp=chain.fwd_tmp[first:end], bwd_tmp=chain.bwd_tmp[first:end],
+        names=chain.names[first:end], tags=chain.tags[first:end], backward_call=chain.backward_call,
+        groups=[(g, a - first, b - first) for g, a, b in chain.groups if first <= a and b < end],
+        shared=shared, transit=boundary(chain.transit), consumed=boundary(chain.consumed),
+        delta=None if chain.delta is None else chain.delta[first:end + 1],
+        delta_through=chain.delta_through[first:end], consumed_shared=consumed_shared,
+        nograd_tmp=None if chain.nograd_tmp is None else chain.nograd_tmp[first:end],
+        fixed=stage_fixed(chain.fixed, first, end), tied=tied, copy_spread=spread,
+        meta={"pipeline_stage": (first, end)})
+
+
+def stage_fixed(fixed: FixedMemory | None, first: int, end: int) -> FixedMemory | None:
+    """The part of ``fixed`` that stages ``first .. end-1`` hold: their own gradients, and the parameters, optimizer
+    state, buffers and optimizer-step transient in proportion to their gradient bytes (a chain records those for
+    the whole model only); the libraries' workspace whole (each device has its own)."""
+    if fixed is None:
+        return None
+    grads = fixed.stage_grads
+    total = sum(grads)
+    share = sum(grads[first:end]) / total if total else (end - first) / len(grads)
+
+    def part(n: int) -> int:
+        return math.ceil(n * share)
+
+    return dataclasses.replace(fixed, params=part(fixed.params), stage_grads=grads[first:end],
+                               optimizer_state=part(fixed.optimizer_state), buffers=part(fixed.buffers),
+                               step_tmp=part(fixed.step_tmp), world_size=1)
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """One microbatch through one pipeline stage by ``schedule``, simulated once (bytes, seconds).
+
+    ``fwd_time``: the forward phase (the ops before ``Loss``); ``bwd_time``: the backward phase, recomputation
+    included (``recompute_time`` of it); ``stored``: what the microbatch keeps resident between the two (its input,
+    checkpoints, saved activations, output); ``working``: the peak while it runs (its own stored bytes included).
+    """
+
+    schedule: Schedule
+    fwd_time: float
+    bwd_time: float
+    recompute_time: float
+    stored: int
+    working: int
+    trace: Trace = field(repr=False, compare=False)
+
+    @classmethod
+    def of(cls, chain: Chain, schedule: Schedule) -> StageRun:
+        trace = simulate(chain, schedule)
+        ev = trace.events
+        k = next(n for n, e in enumerate(ev) if e.op.kind == "Loss")
+        fwd = ev[k].end
+        recompute = sum(e.end - e.start for e in ev[k:] if e.op.is_forward)
+        stored = ev[k - 1].mem_after if k else trace.initial_memory
+        return cls(schedule, fwd, trace.makespan - fwd, recompute, stored, trace.peak_memory, trace)
+
+    @property
+    def time(self) -> float:
+        return self.fwd_time + self.bwd_time
+
+    def need(self, in_flight: int) -> int:
+        """Activation bytes at the peak with ``in_flight`` microbatches held: the others' stored bytes beside this
+        one's working peak."""
+        return (in_flight - 1) * self.stored + self.working
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One device's part of a plan: stages ``first .. end-1`` of the chain, run by ``run.schedule``.
+
+    ``fixed``: its parameters, gradients, optimizer state, buffers and workspace (bytes); ``step_tmp``: the optimizer
+    step's transient; ``in_flight``: microbatches it holds at once.
+    """
+
+    first: int
+    end: int
+    chain: Chain = field(repr=False)
+    run: StageRun = field(repr=False)
+    fixed: int
+    step_tmp: int
+    in_flight: int
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.run.schedule
+
+    @property
+    def in_flight_bytes(self) -> int:
+        """The other in-flight microbatches' stored activations at the peak."""
+        return (self.in_flight - 1) * self.run.stored
+
+    @property
+    def working(self) -> int:
+        return self.run.working
+
+    @property
+    def peak(self) -> int:
+        """Predicted peak device memory (bytes): fixed, plus the larger of the activations at their peak and the
+        optimizer step's transient."""
+        return self.fixed + max(self.in_flight_bytes + self.run.working, self.step_tmp)
+
+
+class PipeEvent(NamedTuple):
+    """One op on one rank's timeline: ``kind`` ``"F"`` or ``"B"`` of ``microbatch``; a B includes ``recompute``
+    seconds of recomputed forwards."""
+
+    rank: int
+    kind: str
+    microbatch: int
+    start: float
+    end: float
+    recompute: float
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineTrace:
+    """The simulated pipeline step: ``events`` per rank in time order and ``step_time`` in seconds; ``memory[rank]``
+    as ``(times, bytes)`` step points (fixed memory counted from the start, the optimizer step at the end)."""
+
+    plan: PipelinePlan = field(repr=False)
+    events: tuple[tuple[PipeEvent, ...], ...]
+    step_time: float
+
+    @cached_property
+    def memory(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+        return tuple(_rank_memory(st, evs, self.step_time) for st, evs in zip(self.plan.stages, self.events))
+
+    @property
+    def peaks(self) -> tuple[int, ...]:
+        return tuple(int(m.max()) for _, m in self.memory)
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the devices over the step."""
+        busy = sum(e.end - e.start for evs in self.events for e in evs)
+        total = self.step_time * len(self.events)
+        return 1.0 - busy / total if total > 0 else 0.0
+
+
+def rank_order(kind: str, devices: int, microbatches: int, stage: int) -> list[tuple[str, int]]:
+    """The order in which rank ``stage`` runs its forwards and backwards, as torch's schedules do: GPipe all
+    forwards then all backwards; 1F1B ``min(P - s, M)`` forwards, then one backward and one forward in turn."""
+    M = microbatches
+    if pipeline_kind(kind) == "GPipe":
+        return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
+    w = in_flight(kind, devices, M, stage)
+    order = [("F", m) for m in range(w)]
+    for m in range(M):
+        order.append(("B", m))
+        if w + m < M:
+            order.append(("F", w + m))
+    return order
+
+
+@dataclass(frozen=True, eq=False)
+class PipelinePlan:
+    """A partition of ``chain`` into pipeline stages, each with its checkpointing schedule (docs/design.md §12).
+
+    ``kind``: ``"1F1B"`` or ``"GPipe"``; ``microbatches``: M; ``bandwidth``: bytes/s of the link between
+    neighbouring devices (None: transfers are free); ``label``: how it was chosen (``"optimal"``,
+    ``"balanced+uniform"``, ``"balanced+per-stage"``). ``simulate()`` gives the timeline and memory per rank;
+    ``step_time`` and ``peaks`` read it.
+    """
+
+    chain: Chain = field(repr=False)
+    kind: str
+    microbatches: int
+    stages: tuple[PipelineStage, ...]
+    bandwidth: float | None = None
+    label: str = "plan"
+    memory_limit: int | None = None
+    exact: bool = True  # False when the partition search stopped at its node limit (the best found is returned)
+
+    @property
+    def devices(self) -> int:
+        return len(self.stages)
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """The first chain stage of each pipeline stage."""
+        return tuple(s.first for s in self.stages)
+
+    @property
+    def peaks(self) -> tuple[int, ...]:
+        """Predicted peak device memory per stage (bytes)."""
+        return tuple(s.peak for s in self.stages)
+
+    @property
+    def peak(self) -> int:
+        return max(self.peaks)
+
+    @property
+    def step_time(self) -> float:
+        """Predicted seconds per step (M microbatches), from :meth:`simulate`."""
+        return self.simulate().step_time
+
+    def transfer_time(self, boundary: int) -> tuple[float, float]:
+        """Seconds to send the activation forward and its gradient back across chain boundary ``boundary``."""
+        if self.bandwidth is None:
+            return 0.0, 0.0
+        return self.chain.x[boundary] / self.bandwidth, self.chain.delta_bytes[boundary] / self.bandwidth
+
+    def simulate(self) -> PipelineTrace:
+        """Every rank's timeline and memory over one step (cached)."""
+        return self._trace
+
+    @cached_property
+    def _trace(self) -> PipelineTrace:
+        return simulate_pipeline(self)
+
+    def describe(self) -> str:
+        lines = [f"{self.kind} pipeline, {self.devices} devices, {self.microbatches} microbatches ({self.label}): "
+                 f"step {format_time(self.step_time)}, peak {format_bytes(self.peak)}"]
+        for s, st in enumerate(self.stages):
+            lines.append(f"  stage {s}: {self.chain.names[st.first]} .. {self.chain.names[st.end - 1]} "
+                         f"({st.end - st.first} stages), {st.in_flight} in flight, fixed {format_bytes(st.fixed)} + "
+                         f"in flight {format_bytes(st.in_flight_bytes)} + working {format_bytes(st.working)} = "
+                         f"{format_bytes(st.peak)}; {format_time(st.run.time)} per microbatch "
+                         f"({st.schedule.n_recomputed} recomputed forwards)")
+        return "\n".join(lines)
+
+    __repr__ = describe
+
+
+def simulate_pipeline(plan: PipelinePlan) -> PipelineTrace:
+    """Replay ``plan``'s step (see :func:`timeline`); memory per rank: fixed, plus the stored activations of the
+    microbatches between their forward and backward, plus the running op's own curve from the stage's simulated
+    schedule."""
+    st = plan.stages
+    comm = [plan.transfer_time(s.first) for s in st[1:]]
+    events = timeline(plan.kind, plan.microbatches, [s.run.fwd_time for s in st], [s.run.bwd_time for s in st],
+                      [c[0] for c in comm], [c[1] for c in comm], [s.run.recompute_time for s in st])
+    return PipelineTrace(plan, events, max(evs[-1].end for evs in events))
+
+
+def timeline(kind: str, microbatches: int, fwd: Sequence[float], bwd: Sequence[float], send_fwd: Sequence[float],
+             send_bwd: Sequence[float], recompute: Sequence[float] | None = None) -> tuple[tuple[PipeEvent, ...], ...]:
+    """Each rank's events: rank s runs its ops in :func:`rank_order`, a forward taking ``fwd[s]`` seconds, a
+    backward ``bwd[s]``. A forward waits for the previous stage's forward of the same microbatch plus
+    ``send_fwd[s-1]`` (the activation crossing boundary s-1 | s), a backward for the next stage's backward plus
+    ``send_bwd[s]``; each boundary's link carries its transfers without queueing."""
+    P, M = len(fwd), microbatches
+    orders = [rank_order(kind, P, M, s) for s in range(P)]
+    f_end, b_end = [[0.0] * M for _ in range(P)], [[0.0] * M for _ in range(P)]
+    f_done, b_done = [0] * P, [0] * P  # microbatches done, in order (both schedules run them in order)
+    pos, free = [0] * P, [0.0] * P
+    events: list[list[PipeEvent]] = [[] for _ in range(P)]
+    left = 2 * P * M
+    while left:
+        moved = False
+        for s in range(P):
+            order = orders[s]
+            while pos[s] < len(order):
+                kind_, m = order[pos[s]]
+                if kind_ == "F":
+                    if s > 0 and f_done[s - 1] <= m:
+                        break
+                    ready = f_end[s - 1][m] + send_fwd[s - 1] if s > 0 else 0.0
+                    start = max(free[s], ready)
+                    end = f_end[s][m] = start + fwd[s]
+                    f_done[s] += 1
+                    events[s].append(PipeEvent(s, "F", m, start, end, 0.0))
+                else:
+                    if s < P - 1 and b_done[s + 1] <= m:
+                        break
+                    ready = b_end[s + 1][m] + send_bwd[s] if s < P - 1 else 0.0
+                    start = max(free[s], ready)
+                    end = b_end[s][m] = start + bwd[s]
+                    b_done[s] += 1
+                    events[s].append(PipeEvent(s, "B", m, start, end, recompute[s] if recompute else 0.0))
+                free[s] = end
+                pos[s] += 1
+                left -= 1
+                moved = True
+        if not moved:  # cannot happen with rank_order: each rank's order respects the data dependencies
+            raise RuntimeError("internal error: the pipeline orders deadlock")
+    return tuple(tuple(e) for e in events)
+
+
+def _rank_memory(st: PipelineStage, events: list[PipeEvent], step: float) -> tuple[np.ndarray, np.ndarray]:
+    """(times, bytes) of one rank: the stage trace's memory curve, split at its Loss, laid on each F and B."""
+    tr = st.run.trace
+    k = next(n for n, e in enumerate(tr.events) if e.op.kind == "Loss")
+    fwd_pts = [(0.0, tr.initial_memory)] + [p for e in tr.events[:k] for p in
+                                              ((e.start, e.mem_before), (e.start, e.mem_peak), (e.end, e.mem_after))]
+    bwd_pts = [p for e in tr.events[k:] for p in ((e.start, e.mem_before), (e.start, e.mem_peak),
+                                                   (e.end, e.mem_after))]
+    t0 = tr.events[k].start
+    stored, held = st.run.stored, 0
+    ts, ms = [0.0], [st.fixed]
+    for e in events:
+        if e.kind == "F":
+            base = st.fixed + held * stored
+            pts = [(e.start + t, base + m) for t, m in fwd_pts]
+            held += 1
+            pts.append((e.end, st.fixed + held * stored))
+        else:
+            base = st.fixed + (held - 1) * stored
+            pts = [(e.start + t - t0, base + m) for t, m in bwd_pts]
+            held -= 1
+            pts.append((e.end, st.fixed + held * stored))
+        ts += [t for t, _ in pts]
+        ms += [m for _, m in pts]
+    ts += [step, step]
+    ms += [st.fixed + st.step_tmp, st.fixed]
+    return np.asarray(ts, float), np.asarray(ms, np.int64)
+
+
+# ------------------------------------------------------------------------------------------------ the solver
+# Partitions the exact search simulates at most; beyond, it returns the best found (PipelinePlan.exact is False).
+_SEARCH_LEAVES = 20_000
+
+
+class _Planner:
+    """Per-layer-range candidates of one chain, solved once and reused across memory limits and microbatch counts.
+
+    For each range of layers, the candidate schedules of its sub-chain are the breakpoints of its optimal frontier
+    (``hcv.solve``) and the uniform policies (store-all, full per-layer recomputation), each simulated once as a
+    :class:`StageRun`, sorted fastest first."""
+
+    def __init__(self, chain: Chain, slots: int) -> None:
+        from .solver import solve
+
+        self.chain, self.slots, self._solve = chain, slots, solve
+        self.units = split_units(chain)
+        self._runs: dict[tuple[int, int], list[StageRun]] = {}
+        self._chains: dict[tuple[int, int], Chain] = {}
+        self._uniform: dict[tuple[int, int], tuple[StageRun, StageRun]] = {}
+
+    def span(self, u0: int, u1: int) -> tuple[int, int]:
+        return self.units[u0][0], self.units[u1 - 1][1]
+
+    def sub(self, u0: int, u1: int) -> Chain:
+        key = (u0, u1)
+        if key not in self._chains:
+            self._chains[key] = stage_chain(self.chain, *self.span(u0, u1))
+        return self._chains[key]
+
+    def uniform(self, u0: int, u1: int) -> tuple[StageRun, StageRun]:
+        """(store-all, full per-layer recomputation) on layers u0..u1-1."""
+        key = (u0, u1)
+        if key not in self._uniform:
+            c = self.sub(u0, u1)
+            self._uniform[key] = (StageRun.of(c, store_all(c)),
+                                  StageRun.of(c, per_layer(c) if c.groups else recompute_all(c)))
+        return self._uniform[key]
+
+    def runs(self, u0: int, u1: int) -> list[StageRun]:
+        key = (u0, u1)
+        if key not in self._runs:
+            c = self.sub(u0, u1)
+            sol = self._solve(c, slots=self.slots)
+            runs = [StageRun.of(c, sol.schedule(b)) for b, _ in sol.frontier()]
+            runs += list(self.uniform(u0, u1))
+            self._runs[key] = sorted(runs, key=lambda r: (r.time, r.need(1)))
+        return self._runs[key]
+
+    def fixed(self, u0: int, u1: int) -> tuple[int, int]:
+        f = self.sub(u0, u1).fixed
+        return (0, 0) if f is None else (f.total_per_rank, f.step_tmp_per_rank)
+
+    def best(self, u0: int, u1: int, k: int, limit: int) -> StageRun | None:
+        """The fastest candidate of layers u0..u1-1 whose peak with ``k`` microbatches in flight fits ``limit``."""
+        fixed, step = self.fixed(u0, u1)
+        if fixed + step > limit:
+            return None
+        room = limit - fixed
+        return next((r for r in self.runs(u0, u1) if r.need(k) <= room), None)
+
+    def least(self, u0: int, u1: int, k: int) -> int:
+        """The least device memory any candidate of layers u0..u1-1 needs with ``k`` microbatches in flight."""
+        fixed, step = self.fixed(u0, u1)
+        return fixed + max(step, min(r.need(k) for r in self.runs(u0, u1)))
+
+    def stage(self, u0: int, u1: int, run: StageRun, k: int) -> PipelineStage:
+        fixed, step = self.fixed(u0, u1)
+        return PipelineStage(*self.span(u0, u1), self.sub(u0, u1), run, fixed, step, k)
+
+
+def _check_int(v: Any, name: str, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise InvalidPipeline(f"{name} must be a positive integer ({what}), got {v!r}")
+    return int(v)
+
+
+class Pipeline:
+    """Plans for one chain on P devices, reusing the per-stage candidates across memory limits and microbatch
+    counts (what the explorer's slider and :func:`fit_pipeline` need). See :func:`plan_pipeline`."""
+
+    def __init__(self, chain: Chain, devices: int, schedule: str = "1F1B", *, bandwidth: float | str | None = None,
+                 slots: int = 200) -> None:
+        from .solver import _check_chain
+
+        self.chain = _check_chain(chain)
+        self.kind = pipeline_kind(schedule)
+        self.devices = _check_int(devices, "devices", "the number of pipeline stages")
+        self.bandwidth = None if bandwidth is None else bandwidth_of(bandwidth)
+        self._p = _Planner(self.chain, slots)
+        U = len(self._p.units)
+        if self.devices > U:
+            what = "layers (chain.groups)" if chain.groups else "stages"
+            raise InvalidPipeline(f"{self.devices} pipeline stages but the chain has only {U} {what} to split "
+                                  f"between them; use at most {U} devices")
+
+    # ---------------------------------------------------------------- building plans
+    def _plan(self, cuts: Sequence[int], M: int, limit: int | None, label: str,
+              pick: Any = None) -> PipelinePlan | None:
+        """The plan with layer cuts ``cuts`` (0 = c_0 < c_1 < ... < c_P = U); each stage's run from ``pick(u0, u1,
+        s)``, by default the fastest that fits ``limit``. None when a stage has none."""
+        P, stages = self.devices, []
+        for s in range(P):
+            u0, u1 = cuts[s], cuts[s + 1]
+            k = in_flight(self.kind, P, M, s)
+            run = pick(u0, u1, s, k) if pick else self._p.best(u0, u1, k, limit if limit is not None else 2**62)
+            if run is None:
+                return None
+            stages.append(self._p.stage(u0, u1, run, k))
+        return PipelinePlan(self.chain, self.kind, M, tuple(stages), self.bandwidth, label, limit)
+
+    def _cost(self, M: int, limit: int) -> list[list[list[float]]]:
+        """cost[s][u0][u1]: seconds per microbatch of layers u0..u1-1 as stage s (inf when nothing fits)."""
+        P, U = self.devices, len(self._p.units)
+        cost = [[[math.inf] * (U + 1) for _ in range(U + 1)] for _ in range(P)]
+        for s in range(P):
+            k = in_flight(self.kind, P, M, s)
+            for u0 in range(s, U - (P - 1 - s)):
+                for u1 in range(u0 + 1, U - (P - 2 - s) if s < P - 1 else U + 1):
+                    if s == P - 1 and u1 != U:
+                        continue
+                    r = self._p.best(u0, u1, k, limit)
+                    if r is not None:
+                        cost[s][u0][u1] = r.time
+        return cost
+
+    def _min_sum(self, cost: list, cap: float) -> list[int] | None:
+        """Cuts minimising the sum of stage times with every stage at most ``cap``."""
+        P, U = self.devices, len(self._p.units)
+        best = [[math.inf] * (U + 1) for _ in range(P + 1)]
+        arg = [[-1] * (U + 1) for _ in range(P + 1)]
+        best[0][0] = 0.0
+        for s in range(P):
+            for u1 in range(s + 1, U + 1):
+                for u0 in range(s, u1):
+                    c = cost[s][u0][u1]
+                    if c <= cap and best[s][u0] + c < best[s + 1][u1]:
+                        best[s + 1][u1], arg[s + 1][u1] = best[s][u0] + c, u0
+        if best[P][U] == math.inf:
+            return None
+        cuts, u = [U], U
+        for s in range(P, 0, -1):
+            u = arg[s][u]
+            cuts.append(u)
+        return cuts[::-1]
+
+    def plan(self, microbatches: int, memory: int | str) -> PipelinePlan:
+        """The fastest plan within ``memory`` bytes per device; see :func:`plan_pipeline`.
+
+        A DP over split points (the least total stage time under each bottleneck cap, the cap raised until M
+        microbatches through the bottleneck outlast the best step) and the baselines give a first plan; a
+        branch-and-bound over partitions, pruned by lower bounds every step time obeys, then makes it the optimum
+        of the simulated step time (docs/design.md §12)."""
+        M = _check_int(microbatches, "microbatches", "M, the microbatches per step")
+        limit = _read_memory(memory)
+        cost = self._cost(M, limit)
+        best: PipelinePlan | None = None
+        tried: set[tuple[int, ...]] = set()
+        for cap in sorted({c for row in cost for r in row for c in r if c < math.inf}):
+            if best is not None and M * cap >= best.step_time:
+                break  # every partition left has a stage slower than cap, through which all M microbatches pass
+            cuts = self._min_sum(cost, cap)
+            if cuts is None or tuple(cuts) in tried:
+                continue
+            tried.add(tuple(cuts))
+            p = self._plan(cuts, M, limit, "optimal")
+            if p is not None and (best is None or p.step_time < best.step_time):
+                best = p
+        if best is None:
+            raise self._does_not_fit(M, limit)
+        for base in self.baselines(M, limit).values():
+            if base is not None and base.step_time < best.step_time:
+                best = base
+        cuts, exact = self._search(cost, M, limit, best.step_time)
+        if cuts is not None:
+            best = self._plan(cuts, M, limit, "optimal")
+        return dataclasses.replace(best, label="optimal", exact=exact)
+
+    def _search(self, cost: list, M: int, limit: int, incumbent: float) -> tuple[list[int] | None, bool]:
+        """Cuts of a plan faster than ``incumbent`` seconds if any (None otherwise), and whether the search was
+        complete. Depth-first over stage ends; a partial partition is dropped when a lower bound reaches the best
+        step so far: for each placed stage s, the forwards before it, its M microbatches and the backwards after
+        it (sum of F_j + B_j over j < s, plus M(F_s + B_s), plus transfers); and one microbatch's path through
+        every stage (placed ones, plus the least total time of the rest)."""
+        P, U, units = self.devices, len(self._p.units), self._p.units
+        comm_f, comm_b = [0.0] * (U + 1), [0.0] * (U + 1)  # transfer times at the cut before unit u
+        if self.bandwidth is not None:
+            for u in range(1, U):
+                comm_f[u] = self.chain.x[units[u][0]] / self.bandwidth
+                comm_b[u] = self.chain.delta_bytes[units[u][0]] / self.bandwidth
+        rest = [[math.inf] * (U + 1) for _ in range(P + 1)]  # least total time of units u.. as stages s..
+        rest[P][U] = 0.0
+        for s in range(P - 1, -1, -1):
+            for u0 in range(U):
+                rest[s][u0] = min((cost[s][u0][u1] + comm_f[u1] + comm_b[u1] * (u1 < U) + rest[s + 1][u1]
+                                   for u1 in range(u0 + 1, U + 1)), default=math.inf)
+        runs: dict[tuple[int, int, int], StageRun] = {}
+
+        def run(s: int, u0: int, u1: int) -> StageRun:
+            if (s, u0, u1) not in runs:
+                runs[(s, u0, u1)] = self._p.best(u0, u1, in_flight(self.kind, P, M, s), limit)
+            return runs[(s, u0, u1)]
+
+        best, found, leaves = incumbent * (1 - 1e-12), None, 0
+        cuts = [0]
+        fwd: list[float] = []
+        bwd: list[float] = []
+
+        def dfs(s: int, u0: int, before: float) -> None:  # before: F + B + transfers of the placed stages
+            nonlocal best, found, leaves
+            ends = [U] if s == P - 1 else range(u0 + 1, U - (P - 1 - s) + 1)
+            for u1 in ends:
+                t = cost[s][u0][u1]
+                if t == math.inf or leaves >= _SEARCH_LEAVES:
+                    continue
+                if max(before + M * t, before + t + rest[s + 1][u1] + comm_f[u1] + comm_b[u1]) >= best:
+                    continue
+                r = run(s, u0, u1)
+                cuts.append(u1)
+                fwd.append(r.fwd_time)
+                bwd.append(r.bwd_time)
+                if s == P - 1:
+                    leaves += 1
+                    cf = [comm_f[u] for u in cuts[1:-1]]
+                    cb = [comm_b[u] for u in cuts[1:-1]]
+                    step = max(evs[-1].end for evs in timeline(self.kind, M, fwd, bwd, cf, cb))
+                    if step < best:
+                        best, found = step * (1 - 1e-12), list(cuts)
+                else:
+                    dfs(s + 1, u1, before + t + comm_f[u1] + comm_b[u1])
+                cuts.pop()
+                fwd.pop()
+                bwd.pop()
+
+        dfs(0, 0, 0.0)
+        return found, leaves < _SEARCH_LEAVES
+
+    def _cuts(self, plan: PipelinePlan) -> list[int]:
+        firsts = [u0 for u0, _ in self._p.units]
+        return [firsts.index(st.first) for st in plan.stages] + [len(firsts)]
+
+    def balanced_cuts(self) -> list[int]:
+        """Cuts minimising the slowest stage's store-all time (ties: the smaller sum), as time-balanced
+        partitioners do."""
+        P, U = self.devices, len(self._p.units)
+        t = [0.0]
+        for a, b in self._p.units:
+            t.append(t[-1] + sum(self.chain.fwd_time[a:b]) + sum(self.chain.bwd_time[a:b]))
+        cost = [[[t[u1] - t[u0] if u0 < u1 else math.inf for u1 in range(U + 1)] for u0 in range(U + 1)]
+                for _ in range(P)]
+        for cap in sorted({t[u1] - t[u0] for u0 in range(U) for u1 in range(u0 + 1, U + 1)}):
+            cuts = self._min_sum(cost, cap)
+            if cuts:
+                return cuts
+        raise AssertionError("unreachable: one stage per layer always fits some cap")
+
+    def baselines(self, microbatches: int, memory: int | str) -> dict[str, PipelinePlan | None]:
+        """``"balanced+uniform"``: the time-balanced partition with the same checkpointing on every stage (none where
+        that fits on every stage, else full per-layer recomputation everywhere); ``"balanced+per-stage"``: the same
+        partition with each stage's fastest schedule that fits. None where it does not fit."""
+        M, limit = _check_int(microbatches, "microbatches", "M"), _read_memory(memory)
+        cuts = self.balanced_cuts()
+        out: dict[str, PipelinePlan | None] = {}
+        for n, name in ((0, "store-all"), (1, "recomputation")):
+            def pick(u0: int, u1: int, s: int, k: int, n: int = n) -> StageRun | None:
+                run = self._p.uniform(u0, u1)[n]
+                return run if self._p.fixed(u0, u1)[0] + max(run.need(k), self._p.fixed(u0, u1)[1]) <= limit \
+                    else None
+            p = self._plan(cuts, M, limit, f"balanced+uniform ({name})", pick)
+            if p is not None:
+                out["balanced+uniform"] = p
+                break
+        out.setdefault("balanced+uniform", None)
+        out["balanced+per-stage"] = self._plan(cuts, M, limit, "balanced+per-stage")
+        return out
+
+    def least_memory(self, microbatches: int) -> int:
+        """The least per-device memory (bytes) in which some plan fits, with ``microbatches`` microbatches."""
+        M = _check_int(microbatches, "microbatches", "M")
+        P, U = self.devices, len(self._p.units)
+        best = [[math.inf] * (U + 1) for _ in range(P + 1)]
+        best[0][0] = 0
+        for s in range(P):
+            k = in_flight(self.kind, P, M, s)
+            for u1 in range(s + 1, U + 1 if s == P - 1 else U - (P - 1 - s) + 1):
+                if s == P - 1 and u1 != U:
+                    continue
+                for u0 in range(s, u1):
+                    if best[s][u0] < math.inf:
+                        best[s + 1][u1] = min(best[s + 1][u1], max(best[s][u0], self._p.least(u0, u1, k)))
+        return int(best[P][U])
+
+    def _does_not_fit(self, M: int, limit: int) -> PipelineDoesNotFit:
+        least = self.least_memory(M)
+        hint = " or fewer microbatches (GPipe holds all of them)" if self.kind == "GPipe" else ""
+        return PipelineDoesNotFit(
+            f"no {self.kind} plan on {self.devices} devices with {M} microbatches fits {limit} B "
+            f"({format_bytes(limit)}) per device; the least per-device memory for this P and M is {least} B "
+            f"({format_bytes(least)}). Give at least that, more devices{hint}", min_budget=least, budget=limit)
+
+
+def _read_memory(memory: Any) -> int:
+    try:
+        return parse_bytes(memory)
+    except HChainError:
+        raise InvalidPipeline(f"cannot read the per-device memory {memory!r}; give bytes or text like '24GiB'") \
+            from None
+
+
+def plan_pipeline(chain: Chain, devices: int, microbatches: int, memory: int | str, schedule: str = "1F1B", *,
+                  bandwidth: float | str | None = None, slots: int = 200) -> PipelinePlan:
+    """The partition into ``devices`` stages and the per-stage schedules with the least predicted step time.
+
+    Args:
+        chain: the model at the microbatch size (its ``fixed`` part, when set, is split over the stages).
+        devices: P, the pipeline stages, one per device. microbatches: M per step.
+        memory: per-device memory limit (bytes or text like ``"24GiB"``), no margin taken off.
+        schedule: ``"1F1B"`` or ``"GPipe"``. bandwidth: the link between neighbouring devices, bytes/s each way
+            or a preset name (None: free transfers). slots: the per-stage solver's resolution.
+    Returns:
+        a :class:`PipelinePlan` never slower in prediction than :func:`baseline_plans`' that fit.
+    Raises:
+        InvalidPipeline (more devices than layers, an unknown schedule, bad numbers); PipelineDoesNotFit with the
+        least per-device memory for this P and M. See docs/design.md §12.
+    """
+    return Pipeline(chain, devices, schedule, bandwidth=bandwidth, slots=slots).plan(microbatches, memory)
+
+
+def baseline_plans(chain: Chain, devices: int, microbatches: int, memory: int | str, schedule: str = "1F1B", *,
+                   bandwidth: float | str | None = None, slots: int = 200) -> dict[str, PipelinePlan | None]:
+    """The two baselines of :func:`plan_pipeline` (see :meth:`Pipeline.baselines`); None where one does not fit."""
+    return Pipeline(chain, devices, schedule, bandwidth=bandwidth, slots=slots).baselines(microbatches, memory)
+
+
+class FitAnswer(NamedTuple):
+    """Per microbatch count tried: the plan (None where nothing fits) and the least per-device memory it needs."""
+
+    microbatches: int
+    plan: PipelinePlan | None
+    least_memory: int
+
+
+def fit_pipeline(chain: Chain, devices: int, memory: int | str, microbatches: Sequence[int] = (1, 2, 4, 8, 16),
+                 schedule: str = "1F1B", *, bandwidth: float | str | None = None,
+                 slots: int = 200) -> list[FitAnswer]:
+    """Does a step fit on ``devices`` devices at all, and with which microbatch counts: one :class:`FitAnswer` per
+    count in ``microbatches`` (each microbatch is the chain's batch). The fastest per sample is the fitting answer
+    with the least ``plan.step_time / microbatches``. Raises InvalidPipeline for bad input."""
+    pipe = Pipeline(chain, devices, schedule, bandwidth=bandwidth, slots=slots)
+    limit = _read_memory(memory)
+    out = []
+    for M in microbatches:
+        M = _check_int(M, "microbatches", "each a microbatch count")
+        least = pipe.least_memory(M)
+        out.append(FitAnswer(M, pipe.plan(M, limit) if least <= limit else None, least))
+    return out

@@ -1,0 +1,235 @@
+"""Pipeline plans (docs/design.md §12): the per-stage memory model, the timeline simulator and the solver, checked
+against exhaustive enumeration of partitions scored by the simulator."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+
+import hchain_viz as hcv
+from hchain_viz.core.fixed import FixedMemory
+from hchain_viz.core.pipeline import (
+    Pipeline,
+    PipelinePlan,
+    baseline_plans,
+    fit_pipeline,
+    in_flight,
+    plan_pipeline,
+    rank_order,
+    split_units,
+    stage_chain,
+)
+from hchain_viz.core.strategies import store_all
+from hchain_viz.errors import InvalidPipeline, PipelineDoesNotFit
+
+
+def with_fixed(chain: hcv.Chain, per_stage: int = 50_000) -> hcv.Chain:
+    g = [per_stage * (1 + i % 3) for i in range(chain.length)]
+    return dataclasses.replace(chain, fixed=FixedMemory(params=sum(g), stage_grads=g, optimizer_state=2 * sum(g),
+                                                        step_tmp=sum(g) // 2))
+
+
+def small_transformer(layers: int = 4) -> hcv.Chain:
+    return with_fixed(hcv.Chain.transformer(layers=layers, batch=2, seq=64, hidden=64, heads=2, vocab=300))
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def test_whole_chain_as_one_stage_is_the_chain():
+    c = small_transformer()
+    sub = stage_chain(c, 0, c.length)
+    for f in ("fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp", "shared", "transit", "consumed", "groups",
+              "consumed_shared", "delta_through"):
+        assert getattr(sub, f) == getattr(c, f), f
+    s = hcv.optimal_schedule(c, hcv.solve(c).min_budget * 2)
+    a, b = hcv.simulate(c, s), hcv.simulate(sub, s)
+    assert (a.peak_memory, a.makespan) == (b.peak_memory, b.makespan)
+
+
+def test_stage_chain_keeps_what_its_stages_hold():
+    c = small_transformer()
+    units = split_units(c)
+    assert units[0][0] == 0 and units[-1][1] == c.length and len(units) == len(c.groups)
+    first, end = units[1][0], units[2][1]
+    sub = stage_chain(c, first, end)
+    assert sub.length == end - first
+    assert sub.x == c.x[first:end + 1] and sub.transit[0] == sub.transit[-1] == 0
+    assert [g[0] for g in sub.groups] == ["h.1", "h.2"]
+    assert sub.fixed.stage_grads == c.fixed.stage_grads[first:end]
+    share = sum(c.fixed.stage_grads[first:end]) / c.fixed.grads
+    assert sub.fixed.params == math.ceil(c.fixed.params * share)
+    # the pieces' fixed parts add up to the whole (rounded up per piece)
+    parts = [stage_chain(c, a, b).fixed for a, b in units]
+    assert 0 <= sum(p.params for p in parts) - c.fixed.params < len(parts)
+    with pytest.raises(InvalidPipeline):
+        stage_chain(c, 3, 3)
+
+
+def test_in_flight_counts_follow_the_schedules():
+    assert [in_flight("1F1B", 4, 8, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1F1B", 4, 2, s) for s in range(4)] == [2, 2, 2, 1]
+    assert [in_flight("gpipe", 4, 8, s) for s in range(4)] == [8] * 4
+    for kind, P, M in itertools.product(("1F1B", "GPipe"), (1, 2, 4), (1, 3, 8)):
+        for s in range(P):
+            order = rank_order(kind, P, M, s)
+            assert sorted(order) == sorted([("F", m) for m in range(M)] + [("B", m) for m in range(M)])
+            held = most = 0
+            for op, _ in order:
+                held += 1 if op == "F" else -1
+                most = max(most, held)
+            assert most == in_flight(kind, P, M, s)
+
+
+def test_simulated_memory_peaks_are_the_predicted_peaks():
+    c = small_transformer(6)
+    for kind in ("1F1B", "GPipe"):
+        pipe = Pipeline(c, 3, kind)
+        for M in (1, 2, 5):
+            least = pipe.least_memory(M)
+            for f in (1.0, 1.3, 3.0):
+                plan = pipe.plan(M, int(least * f))
+                tr = plan.simulate()
+                assert tr.peaks == plan.peaks
+                assert plan.peak <= int(least * f)
+                for st in plan.stages:
+                    assert st.peak == st.fixed + max((st.in_flight - 1) * st.run.stored + st.run.working,
+                                                     st.step_tmp)
+
+
+def test_uniform_pipeline_timeline_matches_the_closed_forms():
+    c = hcv.Chain.homogeneous(8, fwd_time=1.0, bwd_time=2.0, x=100)
+    pipe = Pipeline(c, 4, "1F1B")
+    plan = pipe.plan(6, 10**9)  # room to store everything: no recomputation
+    assert plan.bounds == (0, 2, 4, 6)
+    assert all(st.schedule.n_recomputed == 0 for st in plan.stages)
+    # equal stages of F + B = 6 s: (M + P - 1) stage times
+    assert plan.step_time == pytest.approx((6 + 4 - 1) * 6.0)
+    # one microbatch through GPipe: forwards then backwards in sequence, plus a transfer each way per boundary
+    gp = Pipeline(c, 4, "GPipe", bandwidth=100.0).plan(1, 10**9)
+    assert gp.step_time == pytest.approx(8 * 3.0 + 2 * 3 * 1.0)
+    events = gp.simulate().events
+    assert [e.kind for e in events[0]] == ["F", "B"] and events[3][0].start == pytest.approx(3 * 2.0 + 3 * 1.0)
+
+
+def test_recomputation_sits_inside_the_backward():
+    c = small_transformer()
+    pipe = Pipeline(c, 2, "1F1B")
+    plan = pipe.plan(4, pipe.least_memory(4))
+    st = plan.stages[0]
+    assert st.schedule.n_recomputed > 0 and st.run.recompute_time > 0
+    b = next(e for e in plan.simulate().events[0] if e.kind == "B")
+    assert b.recompute == st.run.recompute_time and b.end - b.start == pytest.approx(st.run.bwd_time)
+
+
+# ---------------------------------------------------------------------------------------------- the solver
+def exhaustive(pipe: Pipeline, M: int, limit: int) -> float:
+    """The least simulated step time over every partition, each stage with its fastest candidate that fits."""
+    p = pipe._p
+    U, P = len(p.units), pipe.devices
+    best = math.inf
+    for inner in itertools.combinations(range(1, U), P - 1):
+        cuts = (0, *inner, U)
+        stages = []
+        for s in range(P):
+            k = in_flight(pipe.kind, P, M, s)
+            fixed, step = p.fixed(cuts[s], cuts[s + 1])
+            fits = [r for r in p.runs(cuts[s], cuts[s + 1]) if fixed + max(step, (k - 1) * r.stored + r.working)
+                    <= limit]
+            if not fits:
+                break
+            stages.append(p.stage(cuts[s], cuts[s + 1], min(fits, key=lambda r: r.time), k))
+        else:
+            plan = PipelinePlan(pipe.chain, pipe.kind, M, tuple(stages), pipe.bandwidth)
+            best = min(best, plan.step_time)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_solver_matches_exhaustive_enumeration(seed):
+    c = with_fixed(hcv.Chain.random(7, seed=seed, scale=2**16))
+    for kind, P, M in (("1F1B", 2, 4), ("1F1B", 3, 5), ("GPipe", 3, 2)):
+        pipe = Pipeline(c, P, kind, bandwidth=2e9)
+        least = pipe.least_memory(M)
+        for f in (1.0, 1.15, 1.5, 2.5):
+            limit = int(least * f)
+            plan = pipe.plan(M, limit)
+            assert plan.peak <= limit and plan.exact
+            assert plan.step_time == pytest.approx(exhaustive(pipe, M, limit), rel=1e-12), (kind, P, M, f)
+
+
+def test_never_slower_than_the_baselines():
+    c = small_transformer(6)
+    for kind, P, M in (("1F1B", 4, 8), ("GPipe", 2, 4)):
+        pipe = Pipeline(c, P, kind)
+        least = pipe.least_memory(M)
+        fitted = 0
+        for f in (1.0, 1.2, 1.6, 2.5, 4.0):
+            limit = int(least * f)
+            plan = pipe.plan(M, limit)
+            for name, base in pipe.baselines(M, limit).items():
+                if base is not None:
+                    fitted += 1
+                    assert base.peak <= limit
+                    assert plan.step_time <= base.step_time * (1 + 1e-12), (name, f)
+            per_stage = pipe.baselines(M, limit)["balanced+per-stage"]
+            uniform = pipe.baselines(M, limit)["balanced+uniform"]
+            if per_stage and uniform:
+                assert per_stage.step_time <= uniform.step_time * (1 + 1e-12)
+        assert fitted >= 4  # the baselines were really compared, not all skipped
+
+
+def test_first_stage_runs_out_first_under_1f1b():
+    c = small_transformer(8)
+    pipe = Pipeline(c, 4, "1F1B")
+    base = pipe.baselines(8, 10**12)["balanced+uniform"]  # store-all on every stage of the balanced partition
+    assert base.label == "balanced+uniform (store-all)"
+    acts = [st.in_flight_bytes + st.working for st in base.stages]
+    assert acts[0] > acts[1] > acts[2] > acts[3]
+
+
+def test_memory_limit_no_plan_meets_names_the_least():
+    c = small_transformer()
+    pipe = Pipeline(c, 2, "1F1B")
+    least = pipe.least_memory(4)
+    assert pipe.plan(4, least).peak <= least
+    with pytest.raises(PipelineDoesNotFit, match=f"least per-device memory for this P and M is {least} B") as e:
+        plan_pipeline(c, 2, 4, least - 1)
+    assert e.value.min_budget == least and e.value.budget == least - 1
+    assert isinstance(e.value, hcv.HChainError)
+
+
+def test_bad_input_raises_clear_errors():
+    c = small_transformer(4)
+    with pytest.raises(InvalidPipeline, match="only 4 layers"):
+        plan_pipeline(c, 5, 2, "1GiB")
+    with pytest.raises(InvalidPipeline, match="unknown pipeline schedule 'zb'"):
+        plan_pipeline(c, 2, 2, "1GiB", schedule="zb")
+    with pytest.raises(InvalidPipeline, match="microbatches must be a positive integer"):
+        plan_pipeline(c, 2, 0, "1GiB")
+    with pytest.raises(InvalidPipeline, match="devices must be a positive integer"):
+        plan_pipeline(c, 0, 2, "1GiB")
+    with pytest.raises(InvalidPipeline, match="per-device memory"):
+        plan_pipeline(c, 2, 2, "lots")
+
+
+def test_fit_answers_which_microbatch_counts_fit():
+    c = small_transformer(4)
+    answers = fit_pipeline(c, 2, Pipeline(c, 2, "GPipe").least_memory(2), (1, 2, 4, 8), "GPipe")
+    assert [a.microbatches for a in answers] == [1, 2, 4, 8]
+    leasts = [a.least_memory for a in answers]
+    assert leasts == sorted(leasts) and leasts[-1] > leasts[0]  # GPipe holds every microbatch
+    assert answers[1].plan is not None and answers[-1].plan is None
+    for a in answers:
+        assert (a.plan is not None) == (a.least_memory <= answers[1].least_memory)
+    one = fit_pipeline(c, 2, "1GiB", (1, 8))
+    assert one[1].plan.step_time / 8 < one[0].plan.step_time  # more microbatches: smaller bubbles per sample
+
+
+def test_baselines_are_what_they_say():
+    c = small_transformer(8)
+    out = baseline_plans(c, 4, 8, 10**12)
+    uniform, per_stage = out["balanced+uniform"], out["balanced+per-stage"]
+    assert uniform.bounds == per_stage.bounds
+    assert all(st.schedule.ops == store_all(st.chain).ops for st in uniform.stages)
