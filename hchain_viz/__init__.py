@@ -36,9 +36,11 @@ from .errors import (
     InfeasibleBudget,
     InputMismatch,
     InvalidChain,
+    InvalidPipeline,
     InvalidSchedule,
     NotNative,
     NotSequentialError,
+    PipelineDoesNotFit,
     ProfileError,
     ScheduleMismatch,
     TimingWarning,
@@ -62,6 +64,9 @@ _LAZY = {
     "explore": ("viz.explorer", "explore"),
     "to_html": ("viz.html", "to_html"),
     "figures": ("viz.figures", None),
+    "plan_pipeline": ("core.pipeline", "plan_pipeline"),
+    "fit_pipeline": ("core.pipeline", "fit_pipeline"),
+    "PipelinePlan": ("core.pipeline", "PipelinePlan"),
 }
 
 __all__ = [
@@ -70,7 +75,7 @@ __all__ = [
     "format_bytes", "format_time", "parse_bytes",
     "HChainError", "InvalidChain", "InvalidSchedule", "InfeasibleBudget", "NotSequentialError", "ProfileError",
     "TimingWarning", "DependencyError", "DoesNotFit", "AlreadyApplied", "ScheduleMismatch", "InputMismatch",
-    "DoubleCheckpointing", "NotNative", *_LAZY,
+    "DoubleCheckpointing", "NotNative", "InvalidPipeline", "PipelineDoesNotFit", *_LAZY,
 ]
 
 
