@@ -28,7 +28,7 @@ the rounds shuffle these groups. glibc is asked to keep freed memory (``keep_hea
 does: otherwise the schedules that free and allocate more page-fault more. It also gives the
 least budget with every transient zero, store-all through the executor over eager in the same rounds, and, per row,
 the op of the least schedule that sets its least budget (what is resident before it and what it adds).
-``docs/cnn.md`` has the table and what it shows.
+``docs/benchmarks.md`` (CNNs cut inside their blocks) has the runs and what they show.
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ BUILDERS: dict[str, Callable[[], tuple]] = {
 
 # ---------------------------------------------------------------------------------------------- --cnn (issue #26)
 CNN = ("resnet50", "densenet121", "inception_v3")
-CNN_ROUNDS = 40  # run I in docs/cnn.md: about what a measured/simulated reading to 0.9-1.1 needs on a 2-core CPU
+CNN_ROUNDS = 40  # run I in docs/benchmarks.md: what a measured/simulated reading to 0.9-1.1 needs on 2 CPU cores
 GRANULARITIES = ("module", "sublayer")
 
 
