@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 
+import numpy as np
 import pytest
 
 import hchain_viz as hcv
@@ -233,3 +235,61 @@ def test_baselines_are_what_they_say():
     uniform, per_stage = out["balanced+uniform"], out["balanced+per-stage"]
     assert uniform.bounds == per_stage.bounds
     assert all(st.schedule.ops == store_all(st.chain).ops for st in uniform.stages)
+
+
+# ---------------------------------------------------------------------------------------------- figures
+def test_memory_bars_stack_to_each_device_peak():
+    from hchain_viz.viz import pipeline as V
+
+    c = small_transformer()
+    pipe = Pipeline(c, 2, "1F1B")
+    limit = int(pipe.least_memory(4) * 1.2)
+    plan = pipe.plan(4, limit)
+    fig = V.memory_bars(plan)
+    unit = 2 ** 20 if "MiB" in fig.layout.yaxis.title.text else 2 ** 10
+    totals = sum(np.asarray(t.y) for t in fig.data)
+    assert np.allclose(totals * unit, plan.peaks)
+    assert np.allclose(np.asarray(fig.data[0].y) * unit, [st.fixed for st in plan.stages])
+    assert fig.layout.shapes[0].y0 * unit == pytest.approx(limit)
+    assert max(plan.peaks) <= limit
+
+
+def test_timeline_marks_recomputation_inside_each_backward():
+    from hchain_viz.viz import pipeline as V
+
+    c = small_transformer()
+    pipe = Pipeline(c, 2, "1F1B")
+    plan = pipe.plan(3, pipe.least_memory(3))
+    fig = V.timeline(plan)
+    fwd, bwd, rec = fig.data
+    assert len(fwd.x) == len(bwd.x) == len(rec.x) == 2 * 3
+    assert all(r > 0 for r in rec.x)  # at the least memory both stages recompute
+    assert np.allclose(np.asarray(rec.base) + np.asarray(rec.x), bwd.base)  # marked at the start of each B
+    events = [e for evs in plan.simulate().events for e in evs if e.kind == "B"]
+    assert np.allclose(np.asarray(bwd.x) + np.asarray(rec.x), [e.end - e.start for e in events])
+    assert fig.layout.xaxis.range[1] >= plan.step_time
+
+
+def test_view_slider_drives_both_figures_and_html_is_self_contained(tmp_path):
+    from hchain_viz.viz import pipeline as V
+
+    c = small_transformer()
+    view = V.PipelineView(c, 2, 4, n=5)
+    assert len(view.limits) == 5 and view.limits[0] == view.pipe.least_memory(4)
+    view.set_limit(view.limits[0])
+    low = view.plan(0)
+    assert view.slider.value == 0 and low.peak <= view.limits[0]
+    assert np.allclose(sum(np.asarray(t.y) for t in view.bars.data) * view._unit[1], low.peaks)
+    assert list(view.timeline.data[2].x) == [e.recompute for evs in low.simulate().events for e in evs
+                                              if e.kind == "B"]
+    view.set_limit(view.limits[-1])
+    high = view.plan(4)
+    assert high.step_time < low.step_time and view.text.value.count(hcv.format_time(high.step_time)) == 1
+    path = V.to_html(c, 2, 4, tmp_path / "pipe.html", n=4)
+    text = open(path, encoding="utf-8").read()
+    head, _, rest = text.partition('<script type="text/javascript">')
+    plotly_js, _, page = rest.partition("</script>")
+    assert len(plotly_js) > 10**6 and "<script src" not in head + page  # plotly.js inside, nothing fetched
+    data = json.loads(page.split('<script type="application/json" id="data">')[1].split("</script>")[0])
+    assert len(data["frames"]) == 4 and "Plotly.react" in page
+    assert [f["label"] for f in data["frames"]][0] == hcv.format_bytes(view.limits[0])
