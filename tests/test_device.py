@@ -111,6 +111,63 @@ def test_library_workspace_is_resident_unsharded_and_round_trips():
     assert Chain.from_json(with_ws.to_json()).fixed == with_ws.fixed
 
 
+# ------------------------------------------------------------------ mixed precision (docs/design.md §11)
+def test_autocast_weight_copies_live_from_a_stages_forward_to_its_backward_by_hand():
+    """The two-stage chain above with autocast's copies: 50 B made by stage 0's forward, 70 B by stage 1's. A
+    stage's copies count from its forward and overlap its own backward's transient; the optimizer step has none."""
+    base = FixedMemory(params=100, stage_grads=[10, 20], optimizer_state=200, buffers=3, step_tmp=0,
+                       precision="bf16-mixed", stage_casts=[50, 70])
+    c = Chain(fwd_time=[1, 1], bwd_time=[1, 1], x=[1, 2, 4], xbar=[8, 16], fixed=base)
+    static = 100 + 200 + 3
+    # Loss: 29 of activations with both stages' copies (452); B1 (peak 31): stage 0's copies, then the larger of its
+    # new gradients (20) and its own copies (70) -> 454; without copies the same point is static + 20 + 31.
+    assert hcv.simulate(c, store_all(c)).device_peak == static + 50 + 31 + 70
+    assert base.static_per_rank == static + 120 and base.at_step_per_rank == static
+    assert base.total_per_rank == static + 120 + 30 and base.step_total_per_rank == static + 30
+    big_step = dataclasses.replace(c, fixed=dataclasses.replace(base, step_tmp=1000))
+    assert hcv.simulate(big_step, store_all(big_step)).device_peak == static + 30 + 6 + 1000  # no copies
+    assert device.optimizer_step_peak(big_step) == static + 30 + 6 + 1000
+    assert base.with_world_size(4).static_per_rank == 25 + 50 + 3 + 120  # copies are not sharded
+    assert base.parts()["autocast weight copies"] == 120 and base.describe().split("(")[1].startswith("bf16-mixed: ")
+    assert Chain.from_json(c.to_json()).fixed == base
+
+
+def test_in_precision_rescales_the_fixed_part():
+    f = FixedMemory(params=400, stage_grads=[100, 300], optimizer_state=808, buffers=3, step_tmp=400,
+                    precision="bf16-mixed", stage_casts=[50, 150])
+    assert f.in_precision("fp16-mixed") == dataclasses.replace(f, precision="fp16-mixed")
+    master = f.in_precision("bf16-master")  # 100 trainable elements: 2-byte weights, a 4-byte master copy
+    assert (master.params, master.stage_grads, master.master_weights, master.optimizer_state, master.step_tmp,
+            master.cast_cache) == (200, (50, 150), 400, 808, 400, 0)
+    assert master.parts()["master weights"] == 400 and master.with_world_size(2).at_step_per_rank == 100 + 200 + 404 + 3
+    pure = f.in_precision("bf16")  # the optimizer's state in bf16 too
+    assert (pure.params, pure.grads, pure.master_weights, pure.optimizer_state, pure.step_tmp) == (200, 200, 0, 404,
+                                                                                                   200)
+    assert pure.in_precision("bf16-master").optimizer_state == 808
+    chain = dataclasses.replace(Chain.random(2, seed=1), fixed=f)
+    assert device.in_precision(chain, "bf16") == dataclasses.replace(chain, fixed=pure)
+
+
+def test_precision_errors_name_the_precision_and_what_to_do():
+    f = FixedMemory(params=400, stage_grads=[400], precision="bf16-mixed", stage_casts=[200])
+    with pytest.raises(HChainError, match=r"unknown precision 'bf17'; choose one of fp32, bf16-mixed"):
+        f.in_precision("bf17")
+    with pytest.raises(HChainError, match=r"'fp32' computes in 32-bit floats .* profiled in 'bf16-mixed'"):
+        f.in_precision("fp32")
+    with pytest.raises(HChainError, match=r"'bf16-mixed' computes in 16-bit floats .* profile the model in bf16"):
+        FixedMemory(params=400, stage_grads=[400]).in_precision("bf16-mixed")
+    with pytest.raises(HChainError, match=r"'fp16-mixed' runs under torch.autocast.*profiled in 'bf16'"):
+        f.in_precision("bf16").in_precision("fp16-mixed")
+    with pytest.raises(InvalidChain, match="fixed.precision: unknown precision 'half'"):
+        FixedMemory(params=1, stage_grads=[1], precision="half")
+    with pytest.raises(InvalidChain, match="stage_casts has 2 entries for 1 stages"):
+        FixedMemory(params=1, stage_grads=[1], stage_casts=[1, 2])
+    with pytest.raises(HChainError, match="optimizer=opt"):
+        device.in_precision(Chain.random(2), "bf16")
+    old = {k: v for k, v in f.to_dict().items() if k not in ("precision", "master_weights", "stage_casts")}
+    assert FixedMemory.from_dict(old).precision == "fp32"  # JSON from before precisions: fp32
+
+
 # ------------------------------------------------------------------ device memory as the budget
 @pytest.mark.parametrize("seed", range(4))
 def test_device_schedule_fits_the_device_under_the_simulator(seed):

@@ -3,12 +3,14 @@
 The DP and the simulator work on activation memory (§3). A device holds more: the chain's fixed part
 (:class:`~hchain_viz.core.fixed.FixedMemory`: parameters, gradients, optimizer state, buffers). Over one step:
 
-- forward: parameters, optimizer state and buffers (``static``) plus the activations;
+- forward: parameters, optimizer state and buffers (``static``) plus the activations, and under autocast the 16-bit
+  weight copies of every stage run so far (``FixedMemory.stage_casts``, freed by the stage's backward);
 - backward ``B(i)``: as the forward, plus the gradients of every stage whose backward has run, ``B(i)``'s included
   (PyTorch creates a parameter's ``.grad`` during its stage's backward, and ``zero_grad()`` frees them after the
   step);
 - ``optimizer.step()``: ``static`` plus every gradient, plus what the activations leave at the end of the step (the
-  input, the held output, the input gradient), plus the step's own transient ``step_tmp``.
+  input, the held output, the input gradient), plus the step's own transient ``step_tmp``; autocast's weight copies
+  are gone by then (docs/design.md §11).
 
 ``device_peak(trace)`` is the largest of these over the step, per rank. Whether the optimizer step or the backward
 sets the peak depends on the model: Adam's transient on a wide MLP outweighs its activations; a CNN's backward
@@ -22,6 +24,7 @@ exceeds the device). Store-all is tried first with its exact whole-step peak.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import DoesNotFit, HChainError, InfeasibleBudget
@@ -64,6 +67,18 @@ def usable_memory(device_memory: int | str, margin: float = DEFAULT_MARGIN) -> i
     return int(device * (1.0 - margin))
 
 
+def in_precision(chain: Chain, precision: str) -> Chain:
+    """``chain`` with its fixed part kept in ``precision`` (a name of :data:`~hchain_viz.core.fixed.PRECISIONS`;
+    see :meth:`~hchain_viz.core.fixed.FixedMemory.in_precision`, docs/design.md §11). The activations stay as
+    profiled.
+
+    Raises:
+        HChainError: the chain has no fixed part, the name is unknown, or the precision cannot be derived from the
+            one profiled (another activation width, or autocast from a profile not run under it).
+    """
+    return replace(chain, fixed=_fixed_of(chain).in_precision(precision))
+
+
 def _fixed_of(chain: Chain):
     if chain.fixed is None:
         raise HChainError("this chain does not know its fixed memory (parameters, gradients, optimizer state); "
@@ -76,24 +91,30 @@ def device_peak(trace: Trace) -> int | None:
     fixed = trace.chain.fixed
     if fixed is None:
         return None
-    static = fixed.static_per_rank
+    static = fixed.at_step_per_rank
     grads = 0
+    casts: dict[int, int] = {}  # autocast's weight copies alive: a stage's from its first forward to its backward
     peak = static + trace.initial_memory
     for e in trace.events:
+        if e.op.is_forward and e.op.stage < trace.chain.length:
+            casts.setdefault(e.op.stage, fixed.stage_cast(e.op.stage))
         if e.op.kind == "B":
             # The stage's parameter gradients appear during its backward. The profile measured bwd_tmp with the
             # gradients already allocated, where each weight gradient is a temporary added into .grad; after
             # zero_grad() autograd keeps that same tensor as .grad. So the backward's transient and its new
             # gradients overlap: the op peaks at the larger of the two, and the gradients stay.
+            # Under autocast, the stage's own weight copies are freed inside its backward, which needs them for the
+            # input gradient before it makes the weight gradients: they overlap the transient too.
             g = fixed.stage_grad_per_rank(e.op.stage)
             tmp = trace.chain.bwd_tmp[e.op.stage]
-            peak = max(peak, static + grads + e.mem_peak - tmp + max(tmp, g))
+            own = casts.pop(e.op.stage, 0)
+            peak = max(peak, static + sum(casts.values()) + grads + e.mem_peak - tmp + max(tmp, g, own))
             grads += g
             continue
-        peak = max(peak, static + grads + e.mem_peak)
+        peak = max(peak, static + sum(casts.values()) + grads + e.mem_peak)
     # what the last compute op leaves (the input, the held output, the input gradient); offloads only lower it
     end = next((e.mem_after for e in reversed(trace.events) if not e.op.is_transfer), trace.initial_memory)
-    return max(peak, static + fixed.grads_per_rank + end + fixed.step_tmp_per_rank)
+    return max(peak, fixed.step_total_per_rank + end + fixed.step_tmp_per_rank)
 
 
 def optimizer_step_peak(chain: Chain) -> int:
@@ -101,7 +122,7 @@ def optimizer_step_peak(chain: Chain) -> int:
     state: the input, the held output and the input gradient)."""
     fixed = _fixed_of(chain)
     end = simulate(chain, store_all(chain)).events[-1].mem_after  # store-all ends with its backward B0
-    return fixed.total_per_rank + end + fixed.step_tmp_per_rank
+    return fixed.step_total_per_rank + end + fixed.step_tmp_per_rank
 
 
 def least_device_memory(chain: Chain, margin: float = DEFAULT_MARGIN, solution: Solution | None = None) -> int:
@@ -144,7 +165,7 @@ def device_schedule(solution: Solution, device_memory: int | str, margin: float 
         s = solution.schedule(max(solution.store_all_peak, solution.max_budget))
         return Schedule(s.ops, {**s.meta, **meta})
     lo = activation_budget(chain, device_memory, margin, solution)  # safe: all gradients resident throughout
-    hi = min(usable - chain.fixed.static_per_rank, solution.max_budget)  # no activation peak above this can fit
+    hi = min(usable - chain.fixed.at_step_per_rank, solution.max_budget)  # no activation peak above this can fit
     # The gradients appear stage by stage during the backward, so schedules above the safe budget ``lo`` may still
     # fit: walk the DP's frontier from the fastest budget below ``hi`` down to ``lo``, and take the first whose exact
     # whole-step peak fits (at ``lo`` and below every schedule fits, so the walk stops there).
@@ -225,7 +246,7 @@ def fit_point(chain: Chain, strategy: str, device_memory: int | str, margin: flo
         if device_peak(simulate(chain, sa)) <= usable:
             candidates = [sa]
         elif budget is not None and budget > 0:
-            hi = usable - chain.fixed.static_per_rank
+            hi = usable - chain.fixed.at_step_per_rank
             try:
                 candidates = [device_schedule(solve(chain, max_budget=hi, slots=slots), device_memory, margin)]
             except DoesNotFit:
