@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .bench import print_table
+from .core.fixed import OPTIMIZERS, PRECISIONS
 from .errors import HChainError
 
 
@@ -207,16 +208,6 @@ def cmd_solve(args: argparse.Namespace) -> None:
               f"{trace.n_recomputed} recomputed forwards\n{schedule}\nwrote {args.out}")
 
 
-#: ``--optimizer`` choices: a name -> a factory on the model's parameters (default hyperparameters; the memory does
-#: not depend on them).
-OPTIMIZERS = {
-    "sgd": lambda ps, torch: torch.optim.SGD(ps, lr=0.01),
-    "sgd-momentum": lambda ps, torch: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
-    "adam": lambda ps, torch: torch.optim.Adam(ps),
-    "adamw": lambda ps, torch: torch.optim.AdamW(ps),
-}
-
-
 def _make_batch(spec: str):
     """``make_batch(b) -> (input, loss_fn)`` for a built-in model name or ``module:function`` taking ``batch=``."""
     if ":" not in spec:
@@ -265,19 +256,46 @@ def fit_rows(chain, device_memory: Any, margin: float) -> list[tuple[str, ...]]:
     return rows
 
 
+def _in_precision(name: str, model: Any, make: Any, device: str | None) -> tuple[Any, Any, Any]:
+    """(model, make_batch, context to profile in) for a training step in precision ``name`` (core.fixed.PRECISIONS):
+    16-bit weights cast the model and the batches' floating tensors; autocast precisions profile under autocast."""
+    import contextlib
+
+    import torch
+
+    from .core.fixed import precision
+    from .runtime.memtrack import map_tensors
+
+    p = precision(name)
+    dtype = torch.bfloat16 if name.startswith("bf16") else torch.float16 if name.startswith("fp16") else None
+    dev = torch.device(device) if device else next((q.device for q in model.parameters()), torch.device("cpu"))
+    if dtype is torch.bfloat16 and dev.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise HChainError(f"--precision {name}: the GPU {torch.cuda.get_device_name(dev)} has no native bfloat16; "
+                          f"choose fp16-mixed")
+    if dtype is None:
+        return model, make, contextlib.nullcontext()
+    if p.autocast:
+        return model, make, torch.autocast(dev.type, dtype=dtype)
+    cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    return model.to(dtype), lambda b: tuple(map_tensors(v, cast) for v in make(b)), contextlib.nullcontext()
+
+
 def cmd_fit(args: argparse.Namespace) -> None:
     import torch
 
     from .core import device
+    from .core.fixed import precision
     from .core.units import format_bytes, parse_bytes
     from .runtime import models
     from .runtime.batch import profile_batches
+    from .runtime.fixed import make_optimizer
 
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         raise HChainError(f"--batches must be comma-separated whole numbers like 8,16, got {args.batches!r}") from None
     usable = device.usable_memory(args.device_memory, args.margin)  # checks both before the long part
+    precision(args.precision)
     make = _make_batch(args.model)
     model = (_load_model_with(args.model, batch=batches[0]) if ":" in args.model else
              models.demo_model(args.model))[0]
@@ -285,10 +303,15 @@ def cmd_fit(args: argparse.Namespace) -> None:
         model = model.to(args.device)
         inner = make
         make = lambda b: tuple(v.to(args.device) if isinstance(v, torch.Tensor) else v for v in inner(b))  # noqa: E731
-    opt = OPTIMIZERS[args.optimizer](model.parameters(), torch)
-    print(f"Profiling {args.model} at batch sizes {', '.join(map(str, batches))} with {type(opt).__name__} ...")
-    chain = profile_batches(model, make, batches, check=args.check, optimizer=opt, world_size=args.world_size,
-                            repeats=args.repeats, progress=not args.quiet)
+    model, make, context = _in_precision(args.precision, model, make, args.device)
+    opt = make_optimizer(args.optimizer, model.parameters())
+    print(f"Profiling {args.model} at batch sizes {', '.join(map(str, batches))} with {type(opt).__name__} in "
+          f"{args.precision} ...")
+    with context:
+        chain = profile_batches(model, make, batches, check=args.check, optimizer=opt, world_size=args.world_size,
+                                repeats=args.repeats, progress=not args.quiet)
+    if chain.fixed.precision != args.precision:  # bf16-master: the optimizer steps fp32 copies of the bf16 weights
+        chain = device.in_precision(chain, args.precision)
     if args.out:
         chain.to_json(args.out)
     check = chain.meta.get("batch_fit_check")
@@ -344,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(model, input[, loss_fn])")
     f.add_argument("--device-memory", required=True, help="device memory, like 24GiB or 80GiB (GB = 10^9 bytes)")
     f.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (default: %(default)s)")
+    f.add_argument("--precision", default="fp32", help=f"how the step keeps its numbers, one of {', '.join(PRECISIONS)}"
+                                                       f" (docs/fit.md; default: %(default)s)")
     f.add_argument("--world-size", type=int, default=1, help="ranks sharding parameters, gradients and optimizer "
                                                              "state, FSDP-style (default: %(default)s)")
     f.add_argument("--margin", type=float, default=0.05, help="fraction of the device kept free for the allocator "

@@ -59,3 +59,35 @@ def test_default_output_is_git_ignored():
     ignored = open(os.path.join(root, ".gitignore")).read().split()
     default = cli.build_parser().parse_args(["demo"]).out
     assert default.split(os.sep)[0] + "/" in {p.strip("/") + "/" for p in ignored}
+
+
+def tiny_mlp(batch: int = 8):
+    """A small dense model for `fit` (``module:function`` taking batch=)."""
+    return hcv.models.mlp_chain(batch=batch, in_features=16, widths=(64, 32), seed=0)
+
+
+@pytest.mark.parametrize("precision, parts", [("bf16-mixed", "autocast weight copies"),
+                                              ("bf16-master", "master weights"), ("bf16", "AdamW state")])
+def test_fit_profiles_and_counts_the_step_in_the_precision_asked(precision, parts, capsys, tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "chain.json"
+    assert cli.main(["fit", f"{__name__}:tiny_mlp", "--device-memory", "1MiB", "--precision", precision,
+                     "--batches", "4,8", "--check", "0", "--repeats", "1", "--quiet", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"in {precision} ..." in text and f"({precision}: " in text
+    assert parts in text.split("fixed part per rank:")[1].splitlines()[0]
+    fixed = hcv.Chain.from_json(out.read_text()).fixed
+    elements = sum(p.numel() for p in tiny_mlp()[0].parameters())
+    weights = 4 if precision == "bf16-mixed" else 2
+    assert fixed.precision == precision and fixed.params == weights * elements
+    assert fixed.master_weights == (4 * elements if precision == "bf16-master" else 0)
+    assert fixed.cast_cache == (2 * elements if precision == "bf16-mixed" else 0)
+
+
+def test_fit_names_an_unknown_precision_before_profiling(capsys, monkeypatch):
+    from hchain_viz.runtime import batch
+
+    monkeypatch.setattr(batch, "profile_batches", lambda *a, **k: pytest.fail("profiled a bad precision"))
+    assert cli.main(["fit", "mlp_chain", "--device-memory", "24GiB", "--precision", "bf17"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown precision 'bf17'" in err and "bf16-mixed" in err

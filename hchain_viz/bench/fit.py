@@ -34,7 +34,7 @@ def run(args: list[str]) -> None:
     """Print the two tables: predicted vs measured whole-step peaks, and predicted vs measured largest batches."""
     import torch
 
-    from ..__main__ import OPTIMIZERS
+    from ..core.fixed import OPTIMIZERS
     from . import print_table
 
     parser = argparse.ArgumentParser(prog="hchain_viz bench fit", description=__doc__.splitlines()[0])
@@ -81,21 +81,19 @@ def run(args: list[str]) -> None:
 
 def _one(name: str, oname: str, dev_name: str, repeats: int) -> tuple[list, list]:
     """The rows of one model with one optimizer."""
-    import torch
-
-    from ..__main__ import OPTIMIZERS
     from ..core import device, strategies
     from ..core.simulate import simulate
     from ..core.solver import solve
     from ..core.units import format_bytes
     from ..runtime import models
     from ..runtime.batch import profile_batches
+    from ..runtime.fixed import make_optimizer
     from ..runtime.measure import measure
     from ..runtime.wrap import wrap
 
     fit_sizes, held_out, grid = SIZES[name]
     model = models.demo_model(name, device=dev_name)[0]
-    opt = OPTIMIZERS[oname](model.parameters(), torch)
+    opt = make_optimizer(oname, model.parameters())
 
     def make(b: int):
         return models.demo_model(name, batch=b, device=dev_name)[1:]

@@ -511,6 +511,7 @@ def fidelity_model(ctx: Ctx, name: str, size: dict[str, Any], granularity: Any =
     from ..core.simulate import simulate
     from ..core.solver import solve
     from ..core.units import format_bytes, format_time
+    from ..runtime.fixed import make_optimizer
     from ..runtime.measure import measure
     from ..runtime.profile import profile
     from ..runtime.wrap import wrap
@@ -524,7 +525,7 @@ def fidelity_model(ctx: Ctx, name: str, size: dict[str, Any], granularity: Any =
     try:
         stages, x, loss_fn, shape = build_stages(name, size, ctx.device, granularity)
         seq = nn.Sequential(*[m for _, m in stages])
-        extra = {"optimizer": make_optimizer(optimizer, seq)} if optimizer else {}
+        extra = {"optimizer": make_optimizer(optimizer, seq.parameters())} if optimizer else {}
         t0 = time.perf_counter()
         chain = profile(stages, x, loss_fn, progress=False, warmup=0 if ctx.quick else 2,
                         repeats=1 if ctx.quick else 5, **extra)
@@ -578,17 +579,6 @@ def fidelity_model(ctx: Ctx, name: str, size: dict[str, Any], granularity: Any =
     del seq, stages, x, chain, sol
     _free(ctx.device)
     return status, ratios
-
-
-def make_optimizer(name: str, module: Any) -> Any:
-    """The optimizer ``name`` (adamw, sgd-momentum) on ``module``'s parameters."""
-    import torch
-
-    if name == "adamw":
-        return torch.optim.AdamW(module.parameters())
-    if name == "sgd-momentum":
-        return torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
-    raise HChainError(f"unknown optimizer {name!r}; choose adamw or sgd-momentum")
 
 
 def _compare(ctx: Ctx, stages: list, x: Any, loss_fn: Callable, status: str) -> str:
