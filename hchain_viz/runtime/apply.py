@@ -48,6 +48,8 @@ from ..errors import (  # noqa: F401 (the error classes stay importable from her
     ScheduleMismatch,
 )
 from .compiled import check_not_compiled
+from .precision import Precision, precision_of, running, runs_in, warn_other_precision
+from .precision import describe as describe_precision
 from .wrap import ScheduledModule, _as_schedule
 
 __all__ = ["apply", "remove", "checkpoint", "is_applied", "AppliedForward", "AlreadyApplied", "ScheduleMismatch",
@@ -127,7 +129,7 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
                device_memory: int | str | None = None, loss_fn: Any = None,
                optimizer: torch.optim.Optimizer | None = None, granularity: str | int | None = None,
                native: bool = False, selective: bool = False, verify: bool = False, progress: bool = True,
-               verbose: bool = True) -> nn.Module:
+               verbose: bool = True, autocast: torch.dtype | None = None) -> nn.Module:
     """Profile ``model`` on ``batch``, solve, and apply the fastest schedule that fits; returns ``model``.
 
     The one-line entry point, as easy as Hugging Face's ``gradient_checkpointing_enable()``:
@@ -149,7 +151,10 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
     step), until a schedule comes back or four steps are measured. The fastest that measured within the budget stays
     applied; raises :class:`~hchain_viz.InfeasibleBudget`, the model left plain, when none did. Prints the budget,
     the predicted peak and the predicted overhead against store-all, and each measured peak (``verbose=False``:
-    silent); ``progress`` shows progress bars while profiling.
+    silent); ``progress`` shows progress bars while profiling. ``autocast``: profile, trace and verify under
+    ``torch.autocast(device, dtype=autocast)``, the precision the training step will run in, for a caller that
+    calls this before its trainer autocasts (``Trainer(bf16=True)``: ``autocast=torch.bfloat16``); without it, the
+    precision active around the call (see :func:`~hchain_viz.profile`). A training step in another precision warns.
     """
     from ..core.simulate import simulate
     from ..core.solver import solve
@@ -158,6 +163,12 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
 
     if is_applied(model):
         raise AlreadyApplied(f"this {type(model).__name__} already trains by a schedule; call hcv.remove(model) first")
+    if autocast is not None:  # all of it in the precision the training step will run in
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        with running(autocast, dev):
+            return checkpoint(model, batch, budget, device_memory=device_memory, loss_fn=loss_fn,
+                              optimizer=optimizer, granularity=granularity, native=native, selective=selective,
+                              verify=verify, progress=progress, verbose=verbose)
     if device_memory is not None and budget is not None:
         raise HChainError("give either budget (activation bytes) or device_memory (the whole device), not both")
     if budget is None and device_memory is None:
@@ -187,15 +198,16 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
         schedule = store_all(chain)
         asked = "no budget (CPU model, no device memory given): store-all"
     limit = _bytes(schedule.meta["budget"]) if "budget" in schedule.meta else None  # activation bytes
-    fitting = sol.schedule  # the schedule for an activation budget
+    fitting = _with_precision(sol.schedule, chain)  # the schedule for an activation budget
     if native and limit is not None:  # the fastest schedule whose compiled form fits (runtime/native.py)
         from .native import for_compile, grad_bytes
         from .stages import sequentialize
 
         grads = grad_bytes([m for _, m in sequentialize(model, batch, granularity=granularity)])
         # The budget as given, not capped at the store-all peak: compiled, the gradients held add to every peak
-        fitting = functools.partial(for_compile, sol, grads=grads, selective=picked)
+        fitting = _with_precision(functools.partial(for_compile, sol, grads=grads, selective=picked), chain)
         schedule = fitting(limit)
+    schedule.meta["precision"] = chain.meta["precision"]
     put = functools.partial(apply, model, chain=chain, sample=batch, native=native, selective=picked or False)
     put(schedule)
     measured = None
@@ -212,6 +224,15 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
               + ("" if measured is None else f", measured {format_bytes(measured)}")
               + f", predicted step {format_time(trace.makespan)} ({overhead:+.1%} vs store-all)")
     return model
+
+
+def _with_precision(fitting: Any, chain: Chain) -> Any:
+    """``fitting`` whose schedules carry the chain's profiled precision in their meta."""
+    def fit(*args: Any, **kwargs: Any) -> Schedule:
+        schedule = fitting(*args, **kwargs)
+        schedule.meta["precision"] = chain.meta["precision"]
+        return schedule
+    return fit
 
 
 _VERIFY_TRIES = 4  # measured steps at most: the overshoot of inductor's scheduling is not the same at each budget
@@ -434,22 +455,27 @@ class _Applied:
         state = self
 
         class _Bypass:
-            """The model's own forward while stages are traced (torch.export reads ``model.forward.__code__``)."""
+            """The model's own forward while stages are traced (torch.export reads ``model.forward.__code__``): also
+            without what a library wrapped around ours since (accelerate's autocast and fp32 outputs, whose autocast
+            is active around this call already; traced, it would become a region the stages cannot cut)."""
 
             def __enter__(self) -> None:
                 self.before, state.bypass = state.bypass, True
-                self.ours = state.model.__dict__.get("forward")
-                if isinstance(self.ours, AppliedForward):
-                    before = state.replaced.get("forward", _MISSING)
+                self.ours = state.model.__dict__.get("forward", _MISSING)
+                if "forward" in state.replaced:
+                    before = state.replaced["forward"]
                     if before is _MISSING:
-                        del state.model.__dict__["forward"]
+                        state.model.__dict__.pop("forward", None)
                     else:
                         state.model.__dict__["forward"] = before
 
             def __exit__(self, *exc: Any) -> None:
                 state.bypass = self.before
-                if isinstance(self.ours, AppliedForward):
-                    state.model.__dict__["forward"] = self.ours
+                if "forward" in state.replaced:
+                    if self.ours is _MISSING:
+                        state.model.__dict__.pop("forward", None)
+                    else:
+                        state.model.__dict__["forward"] = self.ours
 
         return _Bypass()
 
@@ -584,16 +610,26 @@ class _Applied:
             self._check_first_shapes(structure)
             self.structure = structure
         x0, key = self.structure.bind(self, *self._keywords(args, kwargs))
-        ex = self.executors.get(key)
+        precision = precision_of(self.model)
+        ex = self.executors.get((key, precision))
         if ex is None:
-            ex = self._executor_for(key, x0)
+            self._check_precision(precision)
+            ex = self._executor_for(key, x0, precision)
         return ex, x0
 
     def fix_structure(self, sample: Any) -> None:
         self._check_first_shapes(_Structure.of_sample(self, sample))
         self.structure = _Structure.of_sample(self, sample)
         x0, key = self.structure.bind(self, *self.structure.as_call(sample))
-        self._executor_for(key, x0)
+        self._executor_for(key, x0, precision_of(self.model))
+
+    def _check_precision(self, precision: Precision) -> None:
+        """A training step in another precision than the one profiled trains right (its stages are traced for it)
+        but not in the memory planned: warned once per precision (docs/design.md §11)."""
+        profiled = (self.chain.meta or {}).get("precision") if self.chain is not None else None
+        profiled = profiled or self.schedule.meta.get("precision")
+        if profiled is not None and describe_precision(precision) != profiled:
+            warn_other_precision(describe_precision(precision), profiled, stacklevel=6)
 
     def _check_first_shapes(self, structure: _Structure) -> None:
         chain = self.chain
@@ -608,28 +644,29 @@ class _Applied:
                 f"{[list(s) for s in shapes]}; profile with a batch of the training shapes (hcv.checkpoint(model, "
                 f"batch, ...)) so the schedule's memory is the training step's")
 
-    def _executor_for(self, key: Any, x0: Any) -> Any:
-        if key == ():  # the profiled structure: the stages profiled (or traced now)
+    def _executor_for(self, key: Any, x0: Any, precision: Precision) -> Any:
+        if key == () and self.first.stages is None:  # the profiled structure: its stages traced now
+            names = list(self.chain.names) if self.chain is not None else None
+            self.first._set_stages(self._trace(x0, names, "the profiled inputs"))
+        if key == () and runs_in(self.first.stages, precision):  # the stages profiled (or traced now)
             ex = self.first
-            if ex.stages is None:
-                names = list(self.chain.names) if self.chain is not None else None
-                ex._set_stages(self._trace(x0, names, "the profiled inputs"))
             self._check_stages(ex.stages)
-        else:  # accepted: loss arguments added, a smaller batch; the same stages, traced again for it
-            ex = self._retrace(x0, key)
-        self.executors[key] = ex
+        else:  # accepted: loss arguments added, a smaller batch, another precision; the same stages traced for it
+            ex = self._retrace(x0, key, precision)
+        self.executors[key, precision] = ex
         return ex
 
-    def _retrace(self, x0: Any, key: tuple) -> Any:
+    def _retrace(self, x0: Any, key: tuple, precision: Precision) -> Any:
         smaller = any(k.startswith("batch=") for k in key)
         if self.first.stages is None and not smaller:  # the stages of the profiled structure, to compare with
-            self._executor_for((), {k: v for k, v in x0.items() if k not in LOSS_KWARGS})
+            self._executor_for((), {k: v for k, v in x0.items() if k not in LOSS_KWARGS}, precision)
         if self.first.stages is not None:
             names = [n for n, _ in self.first.stages]
         else:  # unpickled, then first called with a smaller batch: the profiled stages are the chain's
             names = list(self.chain.names) if self.chain is not None else None
         what = " and ".join([*(f"the loss argument {k}" for k in key if not k.startswith("batch=")),
-                             *(f"a smaller {k.replace('=', ' of ')}" for k in key if k.startswith("batch="))])
+                             *(f"a smaller {k.replace('=', ' of ')}" for k in key if k.startswith("batch="))]
+                            or [f"the inputs profiled, in {describe_precision(precision)}"])
         ex = self._executor(None)
         ex._set_stages(self._trace(x0, names, what))
         return ex
@@ -645,7 +682,7 @@ class _Applied:
                 try:
                     stages = sequentialize(self.model, x0, granularity=granularity)
                 except HChainError as exc:
-                    tried.append(str(exc).splitlines()[0])
+                    tried.append(" ".join(line.strip() for line in str(exc).splitlines()[:3]))
                     continue
             if [n for n, _ in stages] == names or (names is None and len(stages) == self.first.length):
                 self._check_stages(stages)

@@ -12,6 +12,7 @@ Also home of the project-wide loss convention: ``loss_fn(output) -> scalar tenso
 from __future__ import annotations
 
 import contextlib
+import inspect
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -83,8 +84,10 @@ def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None,
             optimizer: torch.optim.Optimizer | None = None) -> Measurement:
     """Measure the peak memory and median time of ``loss_fn(module(sample_input)).backward()``.
 
-    ``sample_input`` is passed as one argument (a tuple stays one tuple, as in ``nn.Sequential``); each step gets a
-    fresh copy, so a module that writes into its input never changes yours. One untimed warm-up step runs first, then
+    ``sample_input`` is passed as one argument (a tuple stays one tuple, as in ``nn.Sequential``), except a dict
+    whose keys ``module.forward`` takes as keywords (a Hugging Face batch): ``module(**batch)``, as :func:`profile`
+    and :func:`checkpoint` call it; ``loss_fn`` then defaults to ``output.loss``. Each step gets a fresh copy, so a
+    module that writes into its input never changes yours. One untimed warm-up step runs first, then
     ``repeats`` timed steps; on the CPU the memory comes from one more step under an :class:`AllocationLog` (the
     allocator's own record of allocations and frees, through PyTorch's profiler; it slows ops, so it is never
     timed), on CUDA from the allocator's statistics of the timed steps. Neither changes what the module runs: a
@@ -106,6 +109,7 @@ def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None,
     sample_input = to_device(sample_input, dev)
     loss_fn = default_loss if loss_fn is None else loss_fn
     input_bytes = nbytes(sample_input)
+    keywords = _as_keywords(module, sample_input)
     if optimizer is not None:
         from .fixed import check_optimizer
 
@@ -114,7 +118,7 @@ def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None,
     def step(x: Any) -> None:
         with user_code(lambda e: f"the {type(module).__name__} failed on the sample input ({type(e).__name__}: "
                                  f"{e}); check the input's shape, dtype and device against the model"):
-            out = module(x)
+            out = module(**x) if keywords else module(x)
         loss = loss_of(loss_fn, out)
         loss.backward()
         if optimizer is not None:  # `out` and `loss` are still held, as in a training loop
@@ -165,6 +169,21 @@ def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None,
 
 
 # ---------------------------------------------------------------------------------------------- shared helpers
+def _as_keywords(module: nn.Module, sample_input: Any) -> bool:
+    """Whether ``module`` is called with the dict ``sample_input`` unpacked: its forward names every key, or takes
+    ``**kwargs``. A module of one argument (``nn.Sequential``, ``hcv.wrap``'s) takes the dict itself."""
+    if not isinstance(sample_input, Mapping) or not sample_input:
+        return False
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return True
+    return all(isinstance(k, str) and k in params and params[k].kind is not inspect.Parameter.POSITIONAL_ONLY
+               for k in sample_input)
+
+
 def _timed(fn: Callable[[], Any], dev: torch.device) -> float:
     """Seconds ``fn`` takes: CUDA events around it on a GPU, ``perf_counter`` elsewhere."""
     if dev.type == "cuda":

@@ -83,6 +83,8 @@ from .memtrack import (
     transit_storages,
     unflatten,
 )
+from .precision import autocast_now, running
+from .precision import describe as describe_precision
 from .progress import progress_bar
 from .stages import sequentialize
 
@@ -93,7 +95,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5,
             progress: bool = True, optimizer: torch.optim.Optimizer | None = None, world_size: int = 1,
             compile: bool | Mapping[str, Any] = False, granularity: str | int | None = None,
-            estimate_for: str | None = None, tie_identical: bool = True, selective: bool = False) -> Chain:
+            estimate_for: str | None = None, tie_identical: bool = True, selective: bool = False,
+            autocast: torch.dtype | None = None) -> Chain:
     """Measure ``model`` stage by stage on ``sample_input`` and return its :class:`Chain`.
 
     ``model``: an ``nn.Sequential`` (nested ones flattened), a list of modules or ``(name, module)`` pairs, or any
@@ -133,8 +136,14 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     ``Chain.copy_spread`` keeps how much the copies differed and ``meta["untied_time"]`` the times as measured;
     ``Chain.timing_note()`` says it in one line.
 
-    ``Chain.meta`` records the device, dtype, ``param_bytes`` (parameters plus their gradients, reported beside the
-    budget, not in it), model class, input shape, torch version and the profiling settings.
+    ``autocast``: profile under ``torch.autocast(device, dtype=autocast)`` (``torch.bfloat16`` or
+    ``torch.float16``), as the training step will run, for a caller that profiles before its trainer enters autocast
+    (``Trainer(bf16=True)``). Without it, the profile runs in the precision active around the call: under an
+    autocast, what that precision saves is measured (docs/design.md §11, docs/train.md). ``meta["precision"]``
+    names it; a schedule applied with this chain warns at the first training step run in another.
+
+    ``Chain.meta`` records the device, dtype, precision, ``param_bytes`` (parameters plus their gradients, reported
+    beside the budget, not in it), model class, input shape, torch version and the profiling settings.
     """
     if not isinstance(warmup, int) or warmup < 0:
         raise ProfileError(f"warmup must be a non-negative integer, got {warmup!r}")
@@ -142,6 +151,12 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         raise ProfileError(f"repeats must be a positive integer, got {repeats!r}")
     gpu = None if estimate_for is None else roofline.gpu_of(estimate_for)
     modules = [model] if isinstance(model, nn.Module) else [m for _, m in sequentialize(model)]
+    if autocast is not None:  # the whole profile, tracing included, in the precision that will run
+        with running(autocast, resolve_device(modules, sample_input, device)):
+            return profile(model, sample_input, loss_fn, device=device, warmup=warmup, repeats=repeats,
+                           progress=progress, optimizer=optimizer, world_size=world_size, compile=compile,
+                           granularity=granularity, estimate_for=estimate_for, tie_identical=tie_identical,
+                           selective=selective)
     if optimizer is not None:  # before the long part: a wrong optimizer fails fast
         check_optimizer(optimizer, [p for m in modules for p in m.parameters()])
     dev = resolve_device(modules, sample_input, device)
@@ -214,6 +229,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     meta = {
         "device": str(dev),
         "dtype": _dtype_name(params, sample_input),
+        "precision": describe_precision((autocast_now(), next((p.dtype for p in params if p.is_floating_point()),
+                                                               None))),
         "param_bytes": nbytes(params) + nbytes([p for p in params if p.requires_grad]),
         "buffer_bytes": nbytes([b for m in modules for b in m.buffers()]),
         "model": type(model).__name__,

@@ -43,6 +43,8 @@ from .memtrack import (
     storage_of,
     unflatten,
 )
+from .precision import describe as describe_precision
+from .precision import precision_of, runs_in, warn_other_precision
 from .stages import buffer_snapshot, sequentialize
 from .transfer import Link, box_holder, data_holder, storage_key
 
@@ -121,6 +123,7 @@ class ScheduledModule(nn.Module):
         self._frees: dict[int, _Frees] | None = None
         self._frees_for: Any = None
         self._frees_made: set[int] = set()  # the boundaries b whose made storages (see _Step.made) they read
+        self._warned_precisions: set[str] = set()  # the precisions other than the profiled one, warned about
         try:
             stages = sequentialize(model)
         except NotSequentialError:
@@ -163,11 +166,32 @@ class ScheduledModule(nn.Module):
 
     def _ensure_stages(self, x: Any) -> None:
         if self.stages is not None:
+            if runs_in(self.stages, precision_of(self.model)):
+                return
+            self._stages_in_precision(x)
             return
         stages = sequentialize(self.model, x)
         if len(stages) != self.length:
             raise _length_mismatch(self.schedule, self.length, stages, self.model)
         self._set_stages(stages)
+
+    def _stages_in_precision(self, x: Any) -> None:
+        """The stages (traced by torch.export in another precision) traced again in the one running now: the same
+        names, at the granularity that gives them; warns when the schedule was profiled in another."""
+        precision = precision_of(self.model)
+        profiled, now = self.schedule.meta.get("precision"), describe_precision(precision)
+        if profiled is not None and profiled != now and now not in self._warned_precisions:
+            self._warned_precisions.add(now)
+            warn_other_precision(now, profiled, stacklevel=5)
+        names = [n for n, _ in self.stages]
+        for granularity in (None, "sublayer", "finest"):
+            stages = sequentialize(self.model, x, granularity=granularity)
+            if [n for n, _ in stages] == names:
+                self._set_stages(stages)
+                return
+        raise NotSequentialError(
+            f"the stages of this {type(self.model).__name__} were traced in another precision and come out "
+            f"differently in {now}; wrap the model again inside the precision it trains in")
 
     def _plain(self, x: Any) -> Any:
         """The plain model on ``x``, called as its stages were found: a Sequential takes ``x`` itself, any other model

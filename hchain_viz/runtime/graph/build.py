@@ -7,11 +7,13 @@ import operator
 import weakref
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from ...errors import NotSequentialError
+from ..precision import Precision, describe, precision_of
 from .tracing import _module_from_graph
 
 
@@ -21,16 +23,20 @@ class GraphStage(nn.Module):
     ``self.gm`` holds the model's own submodules (not copies) at their original paths, so ``parameters()`` yields
     the model's ``nn.Parameter`` objects. ``out_spec`` (last stage of a ``torch.export`` extraction only) rebuilds
     the model's output structure (e.g. a Hugging Face ``ModelOutput``) from the flat outputs. ``baked_training``
-    (``torch.export`` only) is the train/eval mode the stage's dropout and batch norm ops were traced in.
+    (``torch.export`` only) is the train/eval mode the stage's dropout and batch norm ops were traced in,
+    ``precision`` (``torch.export`` only) the autocast and parameter dtype its dtype casts are fixed to
+    (runtime/precision.py).
     """
 
     def __init__(self, gm: fx.GraphModule, name: str, *, out_spec: pytree.TreeSpec | None = None,
-                 method: str = "fx", baked_training: bool | None = None, probe: nn.Module | None = None):
+                 method: str = "fx", baked_training: bool | None = None, probe: nn.Module | None = None,
+                 precision: Precision | None = None):
         super().__init__()
         self.gm = gm
         self.stage_name = name
         self.method = method
         self.baked_training = baked_training
+        self.precision = precision
         self._out_spec = out_spec
         self.group: str | None = None  # the block (layer) this stage belongs to; set by extract_stages
         self.tag = ""  # "attn_core" on the stages of the core attention
@@ -45,6 +51,12 @@ class GraphStage(nn.Module):
                 f"stage {self.stage_name!r} was extracted with torch.export with the model in {mode} mode, which "
                 f"fixes dropout and batch norm behaviour; the model is now in the other mode. Extract the stages "
                 f"again after model.{'eval' if self.baked_training else 'train'}()")
+        if (self.precision is not None and probe is not None and not torch.compiler.is_compiling()
+                and (now := precision_of(probe)) != self.precision):
+            raise NotSequentialError(
+                f"stage {self.stage_name!r} was traced with torch.export in {describe(self.precision)}, which fixes "
+                f"its dtype casts; it now runs in {describe(now)}. Extract the stages again in this precision "
+                f"(hcv.apply and hcv.wrap do so by themselves at the first training step in it)")
         out = self.gm(x)
         if self._out_spec is not None:
             out = pytree.tree_unflatten(list(out), self._out_spec)
@@ -100,6 +112,7 @@ class _Building:
         g.lint()
         gm = _module_from_graph(g, self.traced.attrs, self.model, "Stage")
         spec = self.traced.out_spec if last else None
-        baked = self.model.training if self.traced.method == "export" else None
-        return GraphStage(gm, name, out_spec=spec, method=self.traced.method, baked_training=baked,
-                          probe=self.model)
+        export = self.traced.method == "export"
+        return GraphStage(gm, name, out_spec=spec, method=self.traced.method,
+                          baked_training=self.model.training if export else None, probe=self.model,
+                          precision=precision_of(self.model) if export else None)

@@ -10,11 +10,13 @@ from typing import Any
 from torch import nn
 
 from ...errors import NotSequentialError
+from ..precision import precision_of
 from .plan import _NoCut, _Plan
 from .tracing import _route_root_buffers, _trace_export, _trace_fx
 from .verify import _verify
 
-# The latest extraction per model and granularity, for callers that get no sample input (see cached_stages).
+# The latest extraction per model, granularity and precision (None: stages that run in any, traced by torch.fx), for
+# callers that get no sample input (see cached_stages).
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, list[tuple[str, nn.Module]]]] = weakref.WeakKeyDictionary()
 
 
@@ -75,8 +77,9 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
         except Exception as exc:  # each tracer fails in its own ways; the message collects them all
             failures.append(f"{method}: {type(exc).__name__}: {_first_line(exc)}")
             continue
-        _CACHE.setdefault(model, {})[mode] = stages
-        _CACHE[model][None] = stages
+        precision = stages[0][1].precision
+        _CACHE.setdefault(model, {})[mode, precision] = stages
+        _CACHE[model][None, precision] = stages
         return stages
     raise NotSequentialError(
         f"could not cut {type(model).__name__} into a chain of stages automatically:\n  - "
@@ -87,7 +90,8 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
 
 
 def cached_stages(model: nn.Module, granularity: None | str | int | object = ...) -> list[tuple[str, nn.Module]] | None:
-    """The stages of the latest :func:`extract_stages` call on ``model`` (with this granularity if given), or None.
+    """The stages of the latest :func:`extract_stages` call on ``model`` (with this granularity if given) that run in
+    the precision active now (runtime/precision.py), or None.
 
     For callers that have the model but no sample input (``wrap(model, schedule)`` after ``profile(model, x)``).
     """
@@ -95,7 +99,8 @@ def cached_stages(model: nn.Module, granularity: None | str | int | object = ...
     if per_model is None:
         return None
     key = None if granularity is ... else _check_granularity(granularity)
-    return per_model.get(key)
+    found = per_model.get((key, precision_of(model)))
+    return found if found is not None else per_model.get((key, None))
 
 
 # ----------------------------------------------------------------------------------------------------------------
