@@ -146,6 +146,10 @@ def test_in_precision_rescales_the_fixed_part():
     assert pure.in_precision("bf16-master").optimizer_state == 808
     chain = dataclasses.replace(Chain.random(2, seed=1), fixed=f)
     assert device.in_precision(chain, "bf16") == dataclasses.replace(chain, fixed=pure)
+    # what a device panel offers: every precision derivable from the record, and each one derives
+    assert f.precisions() == ["bf16-mixed", "fp16-mixed", "bf16-master", "bf16", "fp16"]
+    assert pure.precisions() == ["bf16", "bf16-master", "fp16"] and FixedMemory(1, [1]).precisions() == ["fp32"]
+    assert all(f.in_precision(p).precision == p for p in f.precisions() + pure.precisions())
 
 
 def test_precision_errors_name_the_precision_and_what_to_do():

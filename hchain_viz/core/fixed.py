@@ -189,6 +189,13 @@ class FixedMemory:
         """Everything fixed on one rank during ``optimizer.step()`` (every gradient, no autocast copies)."""
         return self.at_step_per_rank + self.grads_per_rank
 
+    def precisions(self) -> list[str]:
+        """The names :meth:`in_precision` derives from this record (its own first): those computing in the width it
+        was profiled in, the autocast ones only if it was measured under autocast. For a device panel's choices."""
+        at = precision(self.precision)
+        return [self.precision] + [p.name for p in PRECISIONS.values() if p.name != at.name and
+                                   p.compute == at.compute and (at.autocast or not p.autocast)]
+
     def in_precision(self, name: str) -> FixedMemory:
         """The same model and optimizer kept in precision ``name`` (one of :data:`PRECISIONS`).
 
