@@ -5,6 +5,7 @@
   plotly, ipywidgets or anywidget (the GPU machine has none), and writes a report with every section.
 - The runner keeps what a section wrote when it fails or runs past its time box; a missing package is one
   "skipped" line.
+- The mixed-precision section's training check (autocast bf16, fp16 with a GradScaler) runs on the CPU too.
 """
 
 from __future__ import annotations
@@ -103,6 +104,12 @@ def test_dry_run_writes_every_section_without_plotly(tmp_path, no_widgets):
     for title in ("Sub-layer granularity", "Whole-step memory"):
         body = report.split(f"## {title}")[1].split("\n## ")[0]
         assert "| schedule |" in body and "not available" not in body
+    # mixed precision: training fidelity under autocast bf16 and fp16 (GradScaler), then the fidelity table in each
+    amp = report.split("## Mixed precision")[1].split("\n## ")[0]
+    for dtype in ("bfloat16", "float16"):
+        assert f"- training under autocast {dtype} (" in amp
+    assert amp.count("losses equal") == 2 and "more than" not in amp
+    assert amp.count("| store-all |") == 2 and "throughput gain over checkpoint_sequential" in amp
     # the native form compiled whole, through bench compile's own code
     native = report.split("## torch.compile of the whole model")[1].split("\n## ")[0]
     assert "nanogpt native: vs torch.compile budget at equal measured memory" in native
@@ -132,6 +139,19 @@ def test_a_missing_package_is_one_skipped_line(tmp_path, monkeypatch):
     text = ctx.part.read_text().strip()
     assert text == "- gpt2: skipped: transformers is not installed (ModuleNotFoundError: import of transformers " \
                    "halted; None in sys.modules)"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_amp_training_compares_the_applied_schedule_with_plain_training(tmp_path, dtype):
+    """The mixed-precision section's training check on the CPU: under autocast (float16 with a GradScaler) the
+    applied schedule trains exactly as the plain model; a schedule that recomputes is what is compared."""
+    torch = pytest.importorskip("torch")
+    ctx = gpu.Ctx(device="cpu", quick=True, deadline=time.monotonic() + 300, part=tmp_path / "p.md")
+    ctx.part.write_text("")
+    assert gpu.amp_training(ctx, gpu.FIDELITY_QUICK["nanogpt"], getattr(torch, dtype)) == "ok"
+    line = ctx.part.read_text().strip()
+    assert line.startswith(f"- training under autocast {dtype} (") and "losses equal" in line
+    assert "bitwise equal" in line and " (0 recomputed" not in line
 
 
 def test_junit_counts_and_cuda_test_files(tmp_path):

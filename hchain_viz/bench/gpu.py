@@ -16,6 +16,9 @@ also printed at the end. Sections, in order:
   executor vs eager);
 - ``sublayer`` and ``fixed``: the fidelity table at sub-layer granularity (with the comparison against
   ``checkpoint_sequential``) and with the whole step's fixed memory (AdamW);
+- ``amp``: nanoGPT under ``torch.autocast`` to bfloat16, and to float16 with ``torch.amp.GradScaler``: the applied
+  schedule's losses and gradients against plain training in the same precision, then the fidelity table profiled
+  and measured under that autocast (bfloat16 with the comparison against ``checkpoint_sequential``);
 - ``native``: ``bench compile --native`` on nanoGPT on the GPU: the schedule as checkpoint regions, the whole model
   compiled by inductor, against ``torch.compile``'s ``activation_memory_budget`` at equal measured memory.
 
@@ -60,6 +63,7 @@ SECTIONS: dict[str, tuple[str, int]] = {
     "train": ("`bench train` on CUDA: optimal vs `checkpoint_sequential` at equal measured memory", 150),
     "sublayer": ("Sub-layer granularity (issue #10)", 150),
     "fixed": ("Whole-step memory: fixed part with the optimizer (issue #12)", 90),
+    "amp": ("Mixed precision: autocast bfloat16, and float16 with a GradScaler (issue #39)", 120),
     # last: compiling takes minutes (on an H200: 68 s for compile's 3 knob graphs, 43 s to profile the compiled
     # stages of one form, about 18 s per candidate; two forms of two candidates each), so it gets what is left
     "native": ("torch.compile of the whole model with the schedule inside (issue #22)", 260),
@@ -735,6 +739,113 @@ def section_fixed(ctx: Ctx) -> str:
     return _summary(results, FIXED_GOAL)
 
 
+# ---------------------------------------------------------------------------------------------- mixed precision (#39)
+AMP_STEPS = 3  # training steps compared, plain against applied
+
+
+def section_amp(ctx: Ctx) -> str:
+    """nanoGPT in mixed precision: fidelity of training (losses and gradients of the applied schedule against plain
+    training in the same precision) and of the profile (the fidelity table under that autocast)."""
+    import torch
+
+    size = (FIDELITY_QUICK if ctx.quick else FIDELITY_SIZES)["nanogpt"]
+    ctx.write(f"nanoGPT profiled, solved and trained under `torch.autocast({ctx.device!r}, dtype=...)` with float32 "
+              f"weights, as `Trainer(bf16=True)` / `Trainer(fp16=True)` train (docs/design.md §11). Training: "
+              f"{AMP_STEPS} SGD steps of the plain model and of `hcv.wrap(model, schedule)` at the least feasible "
+              f"budget, from the same weights and seed; float16 scales the loss with `torch.amp.GradScaler` and the "
+              f"gradients are compared unscaled. The fidelity table measures under the same autocast (the scaler "
+              f"only multiplies the loss, so its memory and time are those of the step without it).")
+    words = []
+    for dtype, compare in ((torch.bfloat16, True), (torch.float16, False)):
+        name = f"autocast {str(dtype).removeprefix('torch.')}"
+        ctx.write()
+        ctx.write(f"### {name}" + (" with a GradScaler" if dtype == torch.float16 else ""))
+        if ctx.device == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            ctx.write(f"- {name}: skipped: this GPU has no bfloat16")
+            words.append("skipped")
+            continue
+        words.append(amp_training(ctx, size, dtype))
+        with torch.autocast(ctx.device, dtype=dtype):
+            status, ratios = fidelity_model(ctx, "nanogpt", size, compare=compare)
+        words.append(status)
+        if ratios:
+            ctx.write(f"\n- {name}: {_summary([(status, ratios)])}")
+    bad = [w for w in words if w != "ok"]
+    return "ok" if not bad else f"{len(words) - len(bad)}/{len(words)} parts ok ({', '.join(sorted(set(bad)))})"
+
+
+def amp_training(ctx: Ctx, size: dict[str, Any], dtype: Any) -> str:
+    """Train nanoGPT plain and applied at the least feasible budget for AMP_STEPS steps under autocast ``dtype``
+    (float16: with a GradScaler); write one line comparing losses and gradients; return the status word."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from ..core.solver import solve
+    from ..runtime.profile import profile
+    from ..runtime.wrap import wrap
+
+    label = f"training under autocast {str(dtype).removeprefix('torch.')}"
+    if ctx.expired():
+        ctx.write(f"- {label}: not run (the section's time box was spent)")
+        return "not run"
+    try:
+        stages, x, loss_fn, _ = build_stages("nanogpt", size, ctx.device)
+        seq = nn.Sequential(*[m for _, m in stages])
+        with torch.autocast(ctx.device, dtype=dtype):
+            chain = profile(stages, x, loss_fn, progress=False, warmup=0 if ctx.quick else 1, repeats=1)
+        sol = solve(chain)
+        schedule = sol.schedule(sol.min_budget)
+        runs = [_amp_steps(m, m if k == 0 else wrap(m, schedule), x, loss_fn, ctx.device, dtype)
+                for k, m in enumerate((copy.deepcopy(seq), copy.deepcopy(seq)))]
+    except Exception as e:
+        return ctx.failure(label, e)
+    finally:
+        _free(ctx.device)
+    (plain_losses, plain_grads), (losses, grads) = runs
+    same_losses = all(a == b for a, b in zip(plain_losses, losses))
+    scale = max(g.abs().max().item() for g in plain_grads) or 1.0
+    diff = max((a - b).abs().max().item() for a, b in zip(plain_grads, grads)) / scale
+    exact = same_losses and diff == 0
+    # recomputed kernels may sum in another order on a GPU: allow one unit in the last place of the precision
+    ok = exact or diff <= torch.finfo(dtype).eps
+    ctx.write(f"- {label} ({schedule.n_recomputed} recomputed forwards): losses "
+              f"{'equal' if same_losses else 'differ'} "
+              f"({', '.join(f'{v:.6g}' for v in plain_losses)}), gradients "
+              + ("bitwise equal" if diff == 0 else f"max |Δ| {diff:.2e} of the largest")
+              + ("" if ok else f" — **more than float{torch.finfo(dtype).bits}'s eps**"))
+    return "ok" if ok else "failed"
+
+
+def _amp_steps(params_of: Any, module: Any, x: Any, loss_fn: Callable, device: str,
+               dtype: Any) -> tuple[list[float], list[Any]]:
+    """AMP_STEPS SGD steps of ``module`` under autocast ``dtype`` (float16: with a GradScaler) from seed 0; the
+    losses and, over all steps, the unscaled gradients of ``params_of``'s parameters, concatenated per step."""
+    import torch
+
+    params = list(params_of.parameters())
+    opt = torch.optim.SGD(params, lr=0.01)
+    scaler = torch.amp.GradScaler(device) if dtype == torch.float16 else None
+    torch.manual_seed(0)
+    losses, grads = [], []
+    for _ in range(AMP_STEPS):
+        with torch.autocast(device, dtype=dtype):
+            loss = loss_fn(module(x))
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten().float() for p in params if p.grad is not None]))
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
 # ---------------------------------------------------------------------------------------------- native (#22)
 def section_native(ctx: Ctx) -> str:
     """``bench compile --native`` on this device: the schedule as checkpoint regions, the whole model compiled by
@@ -773,5 +884,6 @@ RUNNERS: dict[str, Callable[[Ctx], str]] = {
     "train": section_train,
     "sublayer": section_sublayer,
     "fixed": section_fixed,
+    "amp": section_amp,
     "native": section_native,
 }
