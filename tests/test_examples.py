@@ -1,4 +1,4 @@
-"""The chains shipped in ``hchain_viz/data`` (real models profiled once; lesson 6 and the explorer guide use them):
+"""The chains shipped in ``hchain_viz/data`` (real models profiled once; lesson 8 and the explorer guide use them):
 they load without torch, replay ``checkpoint_sequential`` over the model's children, and the optimum is never
 slower than that at its peak. ``tests/test_torchvision.py`` checks them against a fresh profile."""
 
