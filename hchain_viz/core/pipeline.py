@@ -120,7 +120,8 @@ def stage_fixed(fixed: FixedMemory | None, first: int, end: int) -> FixedMemory 
 
     return dataclasses.replace(fixed, params=part(fixed.params), stage_grads=grads[first:end],
                                optimizer_state=part(fixed.optimizer_state), buffers=part(fixed.buffers),
-                               step_tmp=part(fixed.step_tmp), world_size=1)
+                               step_tmp=part(fixed.step_tmp), world_size=1, master_weights=part(fixed.master_weights),
+                               stage_casts=fixed.stage_casts[first:end])
 
 
 @dataclass(frozen=True)
