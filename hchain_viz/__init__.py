@@ -67,6 +67,7 @@ _LAZY = {
     "plan_pipeline": ("core.pipeline", "plan_pipeline"),
     "fit_pipeline": ("core.pipeline", "fit_pipeline"),
     "PipelinePlan": ("core.pipeline", "PipelinePlan"),
+    "pipeline": ("runtime.pipeline", "pipeline"),
 }
 
 __all__ = [

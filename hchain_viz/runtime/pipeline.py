@@ -1,0 +1,129 @@
+"""Run a pipeline plan on ``torch.distributed.pipelining`` (docs/design.md §12).
+
+``hcv.pipeline(model, plan, loss_fn)`` is called on every rank of a process group of ``plan.devices`` ranks. It cuts
+``model`` into the plan's stages (the chain's stages, as ``hcv.sequentialize`` finds them), wraps this rank's stages
+with their checkpointing schedule (``hcv.wrap``: the executor, same gradients as eager), and returns a
+:class:`PipelineRun` whose ``step`` runs one training step with torch's ``Schedule1F1B`` or ``ScheduleGPipe``.
+
+A rank that fails does not leave the others waiting for ever: they wait at most the process group's timeout
+(``dist.init_process_group(..., timeout=...)``), then raise.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..core.pipeline import PipelinePlan
+from ..errors import InvalidPipeline
+from .stages import sequentialize
+from .wrap import wrap
+
+__all__ = ["pipeline", "PipelineRun"]
+
+
+@dataclass
+class PipelineRun:
+    """This rank's part of a pipeline: ``module`` (its stages, trained by ``schedule``), torch's ``stage`` and
+    ``runner`` (the ``Schedule1F1B`` / ``ScheduleGPipe``). Call :meth:`step` on every rank."""
+
+    plan: PipelinePlan
+    rank: int
+    module: nn.Module
+    stage: Any
+    runner: Any
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.plan.devices - 1
+
+    def step(self, inputs: Any = None, target: Any = None) -> list[torch.Tensor] | None:
+        """One training step over ``plan.microbatches`` microbatches: the first rank gives the whole batch's
+        ``inputs``, the last its ``target``; the others give nothing. Returns the last rank's per-microbatch losses
+        (None elsewhere). Gradients are accumulated into the parameters, scaled by 1 / M (the mean over the batch)."""
+        if self.is_first and inputs is None:
+            raise InvalidPipeline("the first rank's step needs the batch: run.step(inputs)")
+        if self.is_last and target is None:
+            raise InvalidPipeline("the last rank's step needs the loss target: run.step(target=y)")
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.is_first else ()
+        kwargs = {"target": target, "losses": losses} if self.is_last else {}
+        self.runner.step(*args, **kwargs)
+        return losses if self.is_last else None
+
+
+def pipeline(model: nn.Module, plan: PipelinePlan, loss_fn: Any, *, group: Any = None,
+             device: torch.device | str = "cpu", stages: list[tuple[str, nn.Module]] | None = None) -> PipelineRun:
+    """This rank's stage of ``plan`` on ``torch.distributed.pipelining``, each stage trained by its schedule.
+
+    Args:
+        model: the whole model (every rank builds it alike; each keeps only its stages' modules in use).
+        plan: from ``hcv.plan_pipeline(chain, ...)`` with the chain profiled at the microbatch size.
+        loss_fn: ``loss_fn(output, target)`` per microbatch, on the last rank.
+        group: the process group (default the world); its size must be ``plan.devices``, rank r runs stage r.
+        stages: the ``(name, module)`` list of the chain's stages (default ``hcv.sequentialize(model)``).
+    Returns:
+        a :class:`PipelineRun`; call ``run.step(...)`` on every rank.
+    Raises:
+        InvalidPipeline when the world size is not the plan's stage count or the model's stages are not the
+        chain's. See docs/design.md §12.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    if not isinstance(plan, PipelinePlan):
+        raise InvalidPipeline(f"pipeline() needs a PipelinePlan (hcv.plan_pipeline(...)), got {type(plan).__name__}")
+    if not dist.is_initialized():
+        raise InvalidPipeline("torch.distributed is not initialised; call dist.init_process_group(...) on every rank "
+                              "first (with a timeout, so that a failing rank does not leave the others waiting)")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world != plan.devices:
+        raise InvalidPipeline(f"the plan has {plan.devices} pipeline stages but the process group has {world} ranks; "
+                              f"plan for {world} devices or start {plan.devices} ranks")
+    stages = sequentialize(model) if stages is None else list(stages)
+    names = tuple(n for n, _ in stages)
+    if names != plan.chain.names:
+        raise InvalidPipeline(f"the model's stages ({len(names)}: {', '.join(names[:4])}, ...) are not the plan's "
+                              f"chain's ({plan.chain.length}: {', '.join(plan.chain.names[:4])}, ...); plan with the "
+                              f"chain hcv.profile(model, ...) gives for this model")
+    st = plan.stages[rank]
+    part = nn.Sequential(OrderedDict((name.replace(".", "_"), module) for name, module in stages[st.first:st.end]))
+    module = wrap(part, st.schedule)
+    stage = PipelineStage(module, rank, world, torch.device(device), group=group)
+    _keep_grads_through_inference(stage, module)
+    runner_cls = Schedule1F1B if plan.kind == "1F1B" else ScheduleGPipe
+    runner = runner_cls(stage, n_microbatches=plan.microbatches, loss_fn=loss_fn)
+    return PipelineRun(plan, rank, module, stage, runner)
+
+
+def _keep_grads_through_inference(stage: Any, module: nn.Module) -> None:
+    """Undo what the stage's first-step shape inference does to the parameters' gradients.
+
+    torch's ``PipelineStage`` infers shapes by running the stage forward and backward on uninitialised tensors. A
+    plain module's parameters are left alone (it asks for the inputs' gradients only), but the executor runs each
+    ``B(i)`` as a backward of its own, which accumulates those garbage gradients into ``.grad``. The gradients are
+    saved before and restored after (a no-op where torch's private hook is missing: then the first step's gradients
+    would be wrong, and tests/test_pipeline_run.py says so).
+    """
+    infer = getattr(stage, "_backward_metadata_inference", None)
+    if infer is None:
+        return
+
+    def keeping_grads(*args: Any, **kwargs: Any) -> Any:
+        params = list(module.parameters())
+        saved = [None if p.grad is None else p.grad.clone() for p in params]
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            for p, g in zip(params, saved):
+                p.grad = g
+
+    stage._backward_metadata_inference = keeping_grads
