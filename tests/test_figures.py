@@ -281,7 +281,13 @@ def test_frontier_draws_every_baseline_and_marks_the_budget(solution):
     fig = F.frontier(solution, budget=b)
     for name, pts in points.items():
         tr = by_name(fig, name)
-        assert sorted(zip(tr.x, tr.y)) == sorted((float(p), float(t)) for p, t in pts)
+        drawn = list(zip(np.asarray(tr.x, float).tolist(), np.asarray(tr.y, float).tolist()))
+        # each family's best points: every one of its schedules is drawn or beaten (no more memory, no more time)
+        # by a drawn one, and no drawn point beats another, so none sits in another's column
+        assert set(drawn) <= {(float(p), float(t)) for p, t in pts}
+        for p, t in pts:
+            assert any(dp <= p and dt <= t for dp, dt in drawn), (name, p, t)
+        assert all(b1 < b2 and t1 > t2 for (b1, t1), (b2, t2) in zip(drawn, drawn[1:])), (name, drawn)
     line = by_name(fig, "budget")
     assert list(line.x) == [b, b]
     point = by_name(fig, "current")
@@ -421,6 +427,47 @@ def test_teaching_chains_are_drawn_in_units_not_seconds_and_bytes():
     assert plain.layout.xaxis.ticksuffix == "s"
 
 
+def test_frontier_points_that_coincide_stay_visible():
+    """Issue 43: store-all's point hid under periodic's and chen_greedy's, and the legend was 9 px. Every baseline
+    has its own open marker shape, and store-all's is the largest, so points that coincide show one inside the other.
+    """
+    chain = hcv.Chain.random(12, seed=8)
+    fig = F.frontier(hcv.solve(chain))
+    base = [t for t in fig.data if t.name in strategies.frontier_points(chain)]
+    symbols = [t.marker.symbol for t in base]
+    assert len(set(symbols)) == len(symbols) and all(s.endswith("-open") for s in symbols)
+    sizes = {t.name: t.marker.size for t in base}
+    assert sizes["store_all"] == max(sizes.values())
+    assert fig.layout.legend.font.size >= 11
+
+
+def test_beyond_the_axes_triangles_at_one_place_are_set_apart():
+    """Issue 43: revolve's off-chart triangle sat exactly on recompute_all's."""
+    chain = hcv.Chain.random(12, seed=8)
+    solution = hcv.solve(chain)
+    peak = float(solution.min_budget)
+    fig = F.frontier(solution, strategies={"a": [(peak, 50.0)], "b": [(peak, 60.0)], "c": [(peak, 70.0)]})
+    beyond = next(t for t in fig.data if t.name == "beyond the axes")
+    (x_lo, x_hi), (_, y_hi) = fig.layout.xaxis.range, fig.layout.yaxis.range
+    assert list(beyond.y) == [y_hi] * 3 and all(x_lo <= x <= x_hi for x in beyond.x)
+    xs = sorted(beyond.x)
+    assert min(b - a for a, b in zip(xs, xs[1:])) >= 0.02 * (x_hi - x_lo)  # three triangles, not one
+    assert min(abs(x - peak) for x in beyond.x) == 0  # the first stays where its point is
+
+
+def test_the_frontier_draws_what_the_solver_returns_at_the_least_budget():
+    """No cliff in the solution: the optimum at the least budget is on the chart, with no "off the top" note; the
+    curve starts at the least budget with the solution's time there."""
+    chain = hcv.Chain.random(12, seed=8)
+    solution = hcv.solve(chain)
+    fig = F.frontier(solution, strategies=False)
+    opt = by_name(fig, "optimal")
+    assert opt.x[0] == solution.min_budget and opt.y[0] == pytest.approx(solution.makespan(solution.min_budget))
+    lo, hi = fig.layout.yaxis.range
+    assert all(lo <= y <= hi for y in opt.y)
+    assert not any("off the top" in a.text for a in fig.layout.annotations)
+
+
 def test_frontier_marks_baseline_points_beyond_its_axes_on_the_edge():
     chain = hcv.Chain.random(12, seed=8)  # a chain whose recompute-all is off the chart
     fig = F.frontier(hcv.solve(chain))
@@ -438,11 +485,25 @@ def test_frontier_marks_baseline_points_beyond_its_axes_on_the_edge():
     assert inside > 0 and len(beyond.x) < inside
 
 
-def test_a_cliff_at_the_least_budget_goes_off_the_top_and_max_overhead_caps_the_axis():
-    from hchain_viz import examples
+class _Cliff:
+    """A solution whose optimum costs 30x store-all at the least budget only (what a chain model with a steep rise
+    there gives): the frontier draws whatever the solver returns."""
 
-    chain = examples.load("densenet121-sublayer")  # its optimum costs over 30x store-all just above the least budget
-    solution = hcv.solve(chain)
+    def __init__(self, solution):
+        self.chain, self.min_budget, self.store_all_peak = solution.chain, solution.min_budget, solution.store_all_peak
+        pts = solution.frontier()
+        self._pts = [(pts[0][0], 30 * solution.chain.store_all_time)] + [(b + 1, t) for b, t in pts]
+
+    def frontier(self):
+        return self._pts
+
+    def makespan(self, budget):
+        return max((t for b, t in self._pts if b <= budget), default=float("inf"), key=lambda t: -t)
+
+
+def test_a_cliff_at_the_least_budget_goes_off_the_top_and_max_overhead_caps_the_axis():
+    chain = hcv.Chain.random(12, seed=8)
+    solution = _Cliff(hcv.solve(chain))
     T = chain.store_all_time
     least = solution.makespan(solution.min_budget)
     assert least > 10 * T

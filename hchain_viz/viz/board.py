@@ -142,6 +142,9 @@ _CSS = """
 .hcv-board .hcv-panel.hcv-wide, .hcv-board.hcv-narrow .hcv-panel { grid-column: 1 / -1; }
 /* a label kept to one line (widgets around it add this class): cut with an ellipsis, never wrapped */
 .hcv-oneline, .hcv-oneline * { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+/* the player's status line: two lines at most, always two lines high, so the figures below never move */
+.hcv-steptext { display: -webkit-box; -webkit-box-orient: vertical; -webkit-line-clamp: 2; line-clamp: 2;
+                overflow: hidden; white-space: normal; line-height: 1.4em; height: 2.8em; }
 """
 
 
@@ -233,17 +236,27 @@ def _encode(v: Any) -> Any:
 _TEXT_ESM = r"""
 // PageUp / PageDown on an explorer's budget slider move it 10% of its range: ipywidgets' slider (noUiSlider) moves
 // 5 steps of 1% per page key, so each real page key is sent once more. Registered once per page.
+// Home / End on an explorer's sliders go to the range's ends as it is now: noUiSlider's own keys keep the range the
+// slider was made with (updateOptions does not renew it), so End stopped short once the op count had grown.
 if (!globalThis.__hchain_viz_page_keys__) {
   globalThis.__hchain_viz_page_keys__ = true;
   document.addEventListener("keydown", ev => {
-    if (!ev.isTrusted || (ev.key !== "PageUp" && ev.key !== "PageDown")) return;
-    const handle = ev.target && ev.target.closest && ev.target.closest(".hcv-budget .noUi-handle");
-    if (handle) handle.dispatchEvent(new KeyboardEvent("keydown", {key: ev.key, bubbles: true, cancelable: true}));
+    if (!ev.isTrusted || !ev.target || !ev.target.closest) return;
+    const handle = ev.target.closest(".hcv-budget .noUi-handle, .hcv-step .noUi-handle");
+    if (!handle) return;
+    if ((ev.key === "PageUp" || ev.key === "PageDown") && handle.closest(".hcv-budget")) {
+      handle.dispatchEvent(new KeyboardEvent("keydown", {key: ev.key, bubbles: true, cancelable: true}));
+    } else if (ev.key === "Home" || ev.key === "End") {
+      const slider = handle.closest(".noUi-target").noUiSlider, range = slider.options.range;
+      ev.preventDefault();
+      ev.stopPropagation();
+      slider.set(ev.key === "End" ? range.max : range.min);
+    }
   }, true);
 }
 
 function render({ model, el }) {
-  el.classList.add("hcv-oneline", "hcv-steptext");
+  el.classList.add("hcv-steptext");
   const show = () => {
     const texts = model.get("texts"), k = Math.max(0, Math.min(model.get("step"), texts.length - 1));
     el.innerHTML = texts.length ? texts[k] : "";
@@ -258,9 +271,10 @@ export default { render };
 
 
 class StepText(anywidget.AnyWidget):
-    """One line of text per step, shown in the browser for the current ``step``: linked to a Play widget in the page
-    (``jslink``), it changes in the same frame as the step slider, however busy the kernel is. ``texts`` are HTML
-    (escape user text). Its module also makes PageUp/PageDown move an explorer's budget slider 10% of its range."""
+    """A status line (two lines high) per step, shown in the browser for the current ``step``: the texts travel once
+    per schedule, a step change is one number. ``texts`` are HTML (escape user text). Its module also makes
+    PageUp/PageDown move an explorer's budget slider 10% of its range, and Home/End reach the ends of an explorer's
+    sliders after their range changed."""
 
     _esm = _TEXT_ESM
     _css = _CSS

@@ -28,6 +28,7 @@ Programmatically: ``explorer.device_memory = "24GiB"``, ``explorer.margin = 0.1`
 from __future__ import annotations
 
 import html
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -40,6 +41,7 @@ from ..core.simulate import simulate
 from ..core.strategies import STRATEGIES, applicable
 from ..core.units import format_bytes, format_time, parse_bytes
 from ..errors import DependencyError, DoesNotFit, HChainError, InfeasibleBudget
+from ..runtime.progress import status
 from . import figures as F
 from . import style
 from .throttle import Throttle
@@ -78,6 +80,8 @@ _GLOSSARY = (
 # frontier's legend (two or three short rows at 420 px) room below a plot of readable height.
 _PAIR_HEIGHT = 380
 _CACHE_SIZE = 64  # (strategy, budget) -> view; a slider dragged back and forth hits it
+# Play's time per op, and the most it slows to when the kernel takes longer than that to draw a step.
+_PLAY_MS, _PLAY_MAX_MS = 80, 600
 # The statistics table: numbers right-aligned under right-aligned heads, names left; one line kept for a note.
 _STATS_STYLE = ("<style>.hcv-stats{border-collapse:collapse;font-variant-numeric:tabular-nums}"
                 ".hcv-stats th,.hcv-stats td{text-align:right;padding:2px 8px;white-space:nowrap}"
@@ -149,6 +153,13 @@ class Explorer:
                               "for a model use hcv.explore(model, sample_input)")
         if solution is not None and getattr(solution, "chain", None) != chain:
             raise HChainError("the solution was solved for another chain; pass solution=hcv.solve(chain) for this one")
+        with status("building the explorer"):  # in a notebook, a line that counts the seconds until it shows
+            self._init(chain, model, solution, budget, strategy, baselines, throttle_ms, width, device_memory,
+                       margin, axis)
+
+    def _init(self, chain: Chain, model: Any, solution: Any, budget: int | str | None, strategy: str, baselines: Any,
+              throttle_ms: float, width: int | None, device_memory: int | str | None, margin: float,
+              axis: str) -> None:
         self.model = model
         self._strategies = [OPTIMAL, *applicable(chain)]  # the transformer baselines need groups / tags
         self._baselines = baselines
@@ -223,7 +234,7 @@ class Explorer:
     @strategy.setter
     def strategy(self, name: str) -> None:
         self._strategy = self._check_strategy(name)
-        self._draw_budget(frontier=False)
+        self._draw_budget()  # the frontier's point moves to the strategy's, or back to the optimum
 
     @property
     def overlay(self) -> str | None:
@@ -399,7 +410,7 @@ class Explorer:
         notebook cell (a re-run) or by a deleted cell. The explorer's state (budget, schedule, figures) stays readable.
         """
         self._throttled_budget.cancel()
-        for w in [self._link, self._step_link, *_tree(self._layout)]:
+        for w in _tree(self._layout):
             w.close()
         _OPEN[:] = [(e, c) for e, c in _OPEN if e is not self]
 
@@ -475,14 +486,14 @@ class Explorer:
         # a blank box instead of the "none" option.
         self._overlay_dd = W.Dropdown(options=[("none", "")] + [(s, s) for s in self._strategies], value="",
                                       description="compare", layout=W.Layout(width="230px"))
-        self._play = W.Play(value=self._step, min=0, max=self._view.n, interval=80, description="play")
+        self._play = W.Play(value=self._step, min=0, max=self._view.n, interval=_PLAY_MS, description="play")
         self._step_slider = W.IntSlider(value=self._step, min=0, max=self._view.n, description="step",
                                         continuous_update=True, layout=grow)
-        self._link = W.jslink((self._play, "value"), (self._step_slider, "value"))  # the browser moves the slider
-        # One line, whatever the width: a label that wrapped by op name would make the figures jump during Play.
-        # Its text for every step is in the page, linked to the player there: it moves with the step slider.
-        self._step_label = StepText(layout=W.Layout(height="28px", overflow="hidden", min_width="0"))
-        self._step_link = W.jslink((self._play, "value"), (self._step_label, "step"))
+        self._step_slider.add_class("hcv-step")
+        # Two lines high whatever it says (a label that changed height would make the figures jump during Play); its
+        # text for every step is in the page. The kernel moves it with the figures: the player, the step slider, the
+        # label and the figures show the same op (see _draw_step).
+        self._step_label = StepText(layout=W.Layout(height="2.9em", overflow="hidden", min_width="0"))
         self._stats = W.HTML()
         self._path = W.Text(value="schedule.json", description="file", layout=W.Layout(width="300px"))
         self._save = W.Button(description="Save schedule", icon="download")
@@ -494,6 +505,7 @@ class Explorer:
         self._strategy_dd.observe(lambda ch: self._syncing or setattr(self, "strategy", ch["new"]), "value")
         self._overlay_dd.observe(lambda ch: self._syncing or setattr(self, "overlay", ch["new"] or None), "value")
         self._step_slider.observe(lambda ch: self._syncing or self._on_step_slider(ch["new"]), "value")
+        self._play.observe(lambda ch: self._syncing or self._on_step_slider(ch["new"]), "value")
         self._save.on_click(lambda _: self._on_save())
 
         self._figs = self._make_figures()
@@ -501,28 +513,27 @@ class Explorer:
         self._board.on_click("frontier", self._on_frontier_click)
 
         L = self.chain.length
-        # one line on how far the times can be trusted: identical stages sharing their median, and the rest's spread
-        note = self.chain.timing_note()
-        noise = "" if note is None else (
-            f" · <span title='predicted times are as uncertain as the profiled ones; identical stages share one cost "
-            f"so that noise does not choose which copy is recomputed; profile again on a quiet machine'>{note}</span>")
         # a chain profiled with compile=True says so: its times and sizes are those of the compiled stages
         compiled = " (compiled stages, torch.compile)" if self.chain.meta.get("compile") else ""
         head = W.HTML(layout=W.Layout(min_width="0"))
         head.value = (f"<b>hchain_viz explorer</b> — {L} stages{compiled}, store-all "
                       f"{format_time(self.chain.store_all_time)} at {format_bytes(self.max_budget)}; least "
-                      f"feasible budget {format_bytes(self.min_budget)}{noise}")
+                      f"feasible budget {format_bytes(self.min_budget)}")
         self._head = head
+        self._timing = W.HTML(_timing_html(self.chain), layout=W.Layout(min_width="0"))
         row = dict(flex_flow="row wrap", align_items="center", width="100%")
+        # The player sits right above the timeline, the figure it animates first (issue 43: at 800 px the timeline
+        # was out of sight below the frontier while it played).
         self._layout = W.VBox([
             head,
+            self._timing,
             W.HBox([self._budget_slider, self._budget_label], layout=W.Layout(**row)),
             W.HBox([self._strategy_dd, self._overlay_dd], layout=W.Layout(**row)),
-            W.HBox([self._play, self._step_slider], layout=W.Layout(**row)),
-            self._step_label,
             W.HTML(_GLOSSARY, layout=W.Layout(overflow="hidden", min_width="0")),
             *device_row,
             self._stats,
+            W.HBox([self._play, self._step_slider], layout=W.Layout(**row)),
+            self._step_label,
             self._board,
             W.HBox([self._path, self._save, self._save_label], layout=W.Layout(**row)),
         ], layout=W.Layout(width="100%", min_width="0", max_width=None if width is None else f"{width}px"))
@@ -548,7 +559,7 @@ class Explorer:
         return figs
 
     def _rows(self) -> list[list[str]]:
-        rows = [["frontier", "memory"], ["timeline"], ["tape"]]
+        rows = [["timeline"], ["frontier", "memory"], ["tape"]]
         return rows + [["throughput"]] if self._throughput_fig is not None else rows
 
     def _frontier_traces(self, traces: list[dict]) -> list[dict]:
@@ -682,7 +693,14 @@ class Explorer:
 
     def _on_step_slider(self, value: int) -> None:
         self._step = min(int(value), self._view.n)
+        t0 = time.perf_counter()
         self._draw_step()
+        # Play at the pace the kernel keeps: a tick that comes before the last one is drawn would queue up and the
+        # figures would trail the player more and more on a busy machine
+        busy_ms = 1000 * (time.perf_counter() - t0)
+        interval = int(min(_PLAY_MAX_MS, max(_PLAY_MS, 1.5 * busy_ms)))
+        if self._play.playing and abs(interval - self._play.interval) > 10:
+            self._play.interval = interval
 
     def _on_frontier_click(self, click: dict) -> None:
         """A click on the frontier jumps to that budget (clamped to the feasible range). The frontier's hovermode is
@@ -733,10 +751,11 @@ class Explorer:
         self._draw_stats()
 
     def _draw_step(self) -> None:
-        """Move the player's cursor: faint future ops, memory revealed up to the step, the tape at that moment."""
+        """Move the player's cursor: faint future ops, memory revealed up to the step, the tape at that moment; the
+        player, the step slider and the label move with them (one kernel turn: the page shows them together)."""
         self._syncing = True
         try:
-            self._step_slider.value = self._step
+            self._step_slider.value = self._play.value = self._step
         finally:
             self._syncing = False
         self._push_views(self._step)
@@ -763,22 +782,56 @@ class Explorer:
         if self._overlay_view is not None:
             rows.append((self._overlay, self._overlay_view))
         whole = self.chain.fixed is not None
+        b = self._budget
+
+        def peak(v: TraceView) -> str:  # a peak over the budget in red, marked: that schedule does not fit
+            return (f"<td class='hcv-over' style='color:#c00' title='over the budget'>{format_bytes(v.peak)} ▲</td>"
+                    if v.peak > b else f"<td>{format_bytes(v.peak)}</td>")
+
         cells = "".join(
             f"<tr><td><b>{html.escape(name)}</b></td><td>{format_time(v.makespan)}</td>"
-            f"<td>{100 * v.trace.overhead:+.1f}%</td><td>{format_bytes(v.peak)}</td>"
+            f"<td>{100 * v.trace.overhead:+.1f}%</td>{peak(v)}"
             + (f"<td>{format_bytes(v.trace.device_peak)}</td>" if whole else "")
             + f"<td>{v.trace.n_recomputed}</td><td>{v.n}</td></tr>" for name, v in rows)
         if len(rows) == 1:  # the compare row is always there, so that turning compare on moves nothing
             cells += "<tr class='hcv-none'><td>compare: none</td>" + "<td></td>" * (6 if whole else 5) + "</tr>"
-        over = self._view.peak > self._budget
-        note = self._note or (f"peak exceeds the budget by {format_bytes(self._view.peak - self._budget)}"
-                              if over else "")
+        notes = [self._note or (f"peak exceeds the budget by {format_bytes(self._view.peak - b)}"
+                                if self._view.peak > b else "")]
+        o = self._overlay_view
+        if o is not None and o.peak > b:  # compare shows a schedule that does not fit: say so, not only draw it
+            notes.append(f"{self._overlay} peaks at {format_bytes(o.peak)}, {format_bytes(o.peak - b)} over the "
+                         f"{format_bytes(b)} budget: it does not fit")
+        note = " · ".join(n for n in notes if n)
         self._stats.value = (
             _STATS_STYLE + "<table class='hcv-stats'><tr><th>strategy</th><th>makespan</th>"
             "<th>overhead vs store-all</th><th>peak</th>" + ("<th>whole-step peak</th>" if whole else "")
             + "<th>recomputed forwards</th><th>ops</th></tr>"
             f"{cells}</table><div class='hcv-note'>{html.escape(note) or '&nbsp;'}</div>")
         self._draw_step_label()
+
+
+# Repeats of a stage that varied more than this (step-time weighted) make the profiler warn and the explorer say so:
+# the same threshold as runtime/profile.py's NOISY_SPREAD.
+_NOISY = 0.10
+
+
+def _timing_html(chain: Chain) -> str:
+    """When the profiled times were unsteady: one note in plain words, with what to do; else nothing."""
+    spread = chain.untied_spread
+    if spread is None or spread <= _NOISY:
+        return ""
+    s = chain.meta["time_spread"]
+    tied = {i for t in chain.tied for i in t}
+    worst = max((i for i in range(chain.length) if i not in tied),
+                key=lambda i: chain.fwd_time[i] * s["fwd"][i] + chain.bwd_time[i] * s["bwd"][i])
+    name = chain.names[worst] if chain.names[worst] else f"stage {worst}"
+    repeats = chain.meta.get("repeats", "several")
+    return (f"<div class='hcv-timing' style='background:#fff8e1;border-left:3px solid #f0a000;padding:2px 8px;"
+            f"white-space:normal;line-height:1.4'><b>Rough timings.</b> Each stage was timed {repeats} times and the "
+            f"times differed by ±{100 * spread:.0f}% on average (most in {html.escape(str(name))}), as when other "
+            f"programs share the processor. The memory figures are exact; the times and the choice between schedules "
+            f"of similar speed may be off. For steadier times, profile again when the machine is quieter, or with "
+            f"more repeats: <code>hcv.profile(..., repeats=10)</code>.</div>")
 
 
 _OP_WORDS = {
@@ -809,8 +862,9 @@ def _step_text(v: TraceView, k: int) -> str:
     words = _OP_WORDS.get(op.kind, "{s}").format(s=html.escape(stage), i=i, j=i + 1)
     if e.recompute:
         words = "runs again: " + words
-    return (f"Op {k} of {v.n}: <b>{words}</b> · {format_bytes(e.mem_after)} in memory after it "
-            f"(peak {format_bytes(e.mem_peak)} during it) · {format_time(e.end)}")
+    # the figures first: in a narrow output area the words wrap to the second line, never the numbers
+    return (f"Op {k} of {v.n}, done at {format_time(e.end)} · {format_bytes(e.mem_after)} in memory after it "
+            f"(peak {format_bytes(e.mem_peak)} during it) · <b>{words}</b>")
 
 
 def _push(fig: go.Figure, traces: list[dict], layout: dict | None = None, first: int = 0) -> None:
@@ -860,11 +914,7 @@ def explore(model: Any, sample_input: Any, loss_fn: Any = None, **profile_kwargs
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         chain = profile(model, sample_input, loss_fn, **profile_kwargs)
-    timing = [w for w in caught if issubclass(w.category, TimingWarning)]
-    for w in caught:  # every other warning as it came
-        if w not in timing:
+    for w in caught:  # every other warning as it came; unsteady timings are the explorer's note (_timing_html)
+        if not issubclass(w.category, TimingWarning):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    ex = Explorer(chain, model)
-    if timing and chain.time_spread is None:  # the head shows the spread when the chain has it; else one line
-        ex._head.value += f" · <span title='{html.escape(str(timing[0].message))}'>times varied between repeats</span>"
-    return ex
+    return Explorer(chain, model)

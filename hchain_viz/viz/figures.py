@@ -495,8 +495,20 @@ def _baseline_points(chain: Any, strategies: Any) -> dict[str, tuple[np.ndarray,
                           f"got {type(strategies).__name__}")
     out = {}
     for name, pts in points.items():
-        pts = sorted((float(b), float(t)) for b, t in pts)
+        pts = _pareto(pts)
         out[name] = (np.array([b for b, _ in pts]), np.array([t for _, t in pts]))
+    return out
+
+
+def _pareto(points: Any) -> list[tuple[float, float]]:
+    """The points no other point beats: sorted by peak, each faster than every one with a lower or equal peak.
+
+    A family's other schedules (revolve(c) for values of c that give the same peak, a periodic segment that is slower
+    for no memory) would stack in one column of the frontier and hide each other."""
+    out: list[tuple[float, float]] = []
+    for b, t in sorted((float(b), float(t)) for b, t in points):
+        if not out or t < out[-1][1]:
+            out.append((b, t))
     return out
 
 
@@ -516,10 +528,14 @@ def frontier_traces(data: FrontierData, budget: int | None = None, unit: tuple[s
                 customdata=np.column_stack([data.budgets / scale, over(data.makespans)]), hovertemplate=hover,
                 line=dict(shape="hv", width=2.5, color=style.strategy_color("optimal")))]
     for j, (name, (b, t)) in enumerate(data.baselines.items()):
+        color = style.strategy_color(name, j)
+        symbol, size = style.strategy_marker(name, j)
+        # open symbols of different shapes and sizes: baselines that share a point (store-all's is every family's
+        # last one) stay visible one inside the other
         out.append(dict(type="scatter", mode="lines+markers", name=name, x=b, y=t,
                         customdata=np.column_stack([b / scale, over(t)]) if len(b) else np.zeros((0, 2)),
-                        hovertemplate=hover, line=dict(width=1, dash="dot", color=style.strategy_color(name, j)),
-                        marker=dict(size=7, color=style.strategy_color(name, j))))
+                        hovertemplate=hover, line=dict(width=1, dash="dot", color=color),
+                        marker=dict(size=size, symbol=symbol, color=color, line=dict(width=2, color=color))))
     out.append(_beyond_axes_trace(data))
     out += frontier_budget_traces(data, budget)
     y2 = over(np.asarray(data.y_range))
@@ -533,13 +549,20 @@ def _beyond_axes_trace(data: FrontierData) -> dict:
     drawn as triangles on the edge they are beyond, in their strategy's colour; the hover text gives the real values.
     Always one trace (maybe empty), so that the explorer's trace indices stay put."""
     (x_lo, x_hi), (y_lo, y_hi) = data.x_range, data.y_range
+    gap = 0.03 * (x_hi - x_lo)  # two triangles closer than this along an edge are set apart, not drawn as one
     xs, ys, symbols, colors, text = [], [], [], [], []
     for j, (name, (b, t)) in enumerate(data.baselines.items()):
         for bb, tt in zip(b.tolist(), t.tolist()):
             if x_lo <= bb <= x_hi and y_lo <= tt <= y_hi:
                 continue
-            xs.append(min(max(bb, x_lo), x_hi))
-            ys.append(min(max(tt, y_lo), y_hi))
+            x0, y = min(max(bb, x_lo), x_hi), min(max(tt, y_lo), y_hi)
+            x = x0
+            for k in range(1, len(xs) + 2):  # the nearest free place along the edge, rightwards first
+                if not any(abs(x - x2) < gap and y == y2 for x2, y2 in zip(xs, ys)):
+                    break
+                x = x0 + k * gap if x0 + k * gap <= x_hi else x0 - k * gap
+            xs.append(x)
+            ys.append(y)
             symbols.append("triangle-up" if tt > y_hi else "triangle-right" if bb > x_hi else
                            "triangle-left" if bb < x_lo else "triangle-down")
             colors.append(style.strategy_color(name, j))
@@ -577,7 +600,7 @@ def frontier_layout(data: FrontierData, title: str | None = None) -> dict:
         yaxis=dict(title_text="makespan", tickformat="~s", ticksuffix="s", range=list(data.y_range)),
         hovermode="x",  # a click anywhere picks the nearest budget: the explorer jumps there
         # a compact legend: at 420 px the default one took a third of the figure
-        legend=dict(orientation="h", yanchor="top", y=-0.1, xanchor="left", x=0.0, font=dict(size=9),
+        legend=dict(orientation="h", yanchor="top", y=-0.1, xanchor="left", x=0.0, font=dict(size=11),
                     itemwidth=30, tracegroupgap=0),
         shapes=[dict(type="rect", xref="x", yref="paper", x0=x_lo, x1=data.min_budget, y0=0, y1=1,
                      fillcolor=style.INFEASIBLE_FILL, line_width=0, layer="below")],
@@ -588,7 +611,7 @@ def frontier_layout(data: FrontierData, title: str | None = None) -> dict:
         lay["annotations"].append(dict(
             x=data.min_budget, y=1, xref="x", yref="paper", xanchor="left", yanchor="top", showarrow=False,
             text=f"↑ {format_time(float(data.makespans[0]))} at the least budget, off the top",
-            font=dict(size=10, color="#555")))
+            font=dict(size=11, color="#555")))
     if T > 0:
         lo, hi = (100 * (y / T - 1) for y in data.y_range)
         # round percentages, none below 0% (nothing is faster than store-all); plotly's own choice for an overlaying

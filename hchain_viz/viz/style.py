@@ -74,6 +74,27 @@ TIME_HOVER = ".3~s"  # d3 format for seconds in hover templates, followed by "s"
 _BINARY_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
+# Baselines' markers on the frontier: a shape each, open, and sizes that nest where points coincide (store-all's
+# point is also the last of periodic's and chen_greedy's; revolve's and periodic's often share the lowest peak).
+STRATEGY_MARKERS = {
+    "store_all": ("circle-open", 16),
+    "periodic": ("square-open", 11),
+    "chen_greedy": ("diamond-open", 8),
+    "sqrt_n": ("star-open", 12),
+    "revolve": ("hexagon-open", 14),
+    "recompute_all": ("pentagon-open", 10),
+    "per_layer": ("hourglass-open", 10),
+    "selective": ("bowtie-open", 10),
+    "layer_periodic": ("cross-open", 10),
+}
+_MARKER_CYCLE = ("circle-open", "square-open", "diamond-open", "star-open", "hexagon-open", "pentagon-open")
+
+
+def strategy_marker(name: str, index: int = 0) -> tuple[str, int]:
+    """The (plotly symbol, size) of a baseline's points on the frontier."""
+    return STRATEGY_MARKERS.get(name, (_MARKER_CYCLE[index % len(_MARKER_CYCLE)], 10))
+
+
 def strategy_color(name: str, index: int = 0) -> str:
     """The colour of a strategy on the frontier and in overlays."""
     return STRATEGY_COLORS.get(name, _CYCLE[index % len(_CYCLE)])
