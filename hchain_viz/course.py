@@ -60,7 +60,8 @@ def _verdict(ok: bool, said: str, truth: str, *, why: str, hint: str | None) -> 
         print(f"Right: {said}, {truth}.\nWhy: {why}")
     elif _wrong.get(hint, 0) == 0:
         _wrong[hint] = 1
-        print(f"Not quite: {said}.\nHint: {hint}\nTry again: change your answer and run both cells again.")
+        print(f"Not quite: {said}.\nHint: {hint}\n"
+              "Try again: change your answer (or move the slider) and run the cells again.")
     else:
         _wrong[hint] += 1
         print(f"Not quite: {said}; {truth}.\nWhy: {why}")
