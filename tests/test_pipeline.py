@@ -179,6 +179,8 @@ def test_never_slower_than_the_baselines():
             uniform = pipe.baselines(M, limit)["balanced+uniform"]
             if per_stage and uniform:
                 assert per_stage.step_time <= uniform.step_time * (1 + 1e-12)
+            balanced_least = pipe.least_memory(M, bounds=pipe.baselines(M, 2**60)["balanced+per-stage"].bounds)
+            assert (per_stage is not None) == (limit >= balanced_least) and balanced_least >= least
         assert fitted >= 4  # the baselines were really compared, not all skipped
 
 

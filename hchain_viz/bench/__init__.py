@@ -10,6 +10,7 @@
 - ``transformers``: transformer chains at module and sub-layer granularity vs per-layer and selective recomputation.
 - ``offload``: remat-only vs remat+offload makespans at three links, in simulation (GPU-like times).
 - ``trainer``: an applied store-all schedule against the plain model in Hugging Face Trainer steps (GPT-2).
+- ``pipeline``: pipeline plans against a time-balanced partition, predicted and measured on gloo ranks.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from ..core.schedule import Schedule
 
 BENCHMARKS = ("solver", "profile", "train", "widget", "models", "fit", "gpu", "compile", "transformers",
-              "offload", "trainer")
+              "offload", "trainer", "pipeline")
 
 
 def print_table(head: Sequence[object], rows: Sequence[Sequence[object]], *, left: int = 0, rule: bool = False) -> None:

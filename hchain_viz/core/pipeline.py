@@ -679,10 +679,15 @@ class Pipeline:
         out["balanced+per-stage"] = self._plan(cuts, M, limit, "balanced+per-stage")
         return out
 
-    def least_memory(self, microbatches: int) -> int:
-        """The least per-device memory (bytes) in which some plan fits, with ``microbatches`` microbatches."""
+    def least_memory(self, microbatches: int, bounds: Sequence[int] | None = None) -> int:
+        """The least per-device memory (bytes) in which some plan fits, with ``microbatches`` microbatches; with
+        ``bounds`` (each stage's first chain stage, as :attr:`PipelinePlan.bounds`), for that partition only."""
         M = _check_int(microbatches, "microbatches", "M")
         P, U = self.devices, len(self._p.units)
+        if bounds is not None:
+            firsts = [u0 for u0, _ in self._p.units]
+            cuts = [firsts.index(b) for b in bounds] + [U]
+            return max(self._p.least(cuts[s], cuts[s + 1], in_flight(self.kind, P, M, s)) for s in range(P))
         best = [[math.inf] * (U + 1) for _ in range(P + 1)]
         best[0][0] = 0
         for s in range(P):
