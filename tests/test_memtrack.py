@@ -136,6 +136,57 @@ def test_allocation_log_agrees_with_the_tensor_tracker_and_sees_scratch_buffers(
             assert peaks[1] > peaks[0]
 
 
+
+class _ColumnMajor(torch.autograd.Function):
+    """2x, laid out column-major; its backward copies a gradient that arrives in another layout (as a
+    convolution's backward makes a gradient channels-last)."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return torch.empty_strided(x.shape, (1, x.shape[0]), dtype=x.dtype).copy_(x).mul_(2)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return g.t().contiguous().t() * 2
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class _ColumnMajorStage(nn.Module):
+    def forward(self, x):
+        return _ColumnMajor.apply(x)
+
+
+class _Mean(nn.Module):
+    def forward(self, x):
+        return x.mean(dim=1)
+
+
+def test_a_backward_is_measured_with_its_gradient_laid_out_as_the_next_backward_makes_it():
+    """The profiler's stand-in for δ_2 has x_2's column-major layout; in a step whose backwards join, δ_2 arrives
+    row-major from the mean's backward, and B(1) copies it (one more x_2). Its transient counts that copy, and the
+    measured peak stays at or below the predicted one (both ways of handing δ_2 over: joined and apart)."""
+    import hchain_viz as hcv
+    from hchain_viz.runtime.measure import measure
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Scale(), _ColumnMajorStage(), _Mean()), torch.randn(512, 256)
+    chain = hcv.profile(model, x, warmup=0, repeats=1, progress=False)
+    assert chain.bwd_tmp[1] >= nbytes(x)  # the copy (and the doubled gradient beyond δ_1)
+    sol = hcv.solve(chain)
+    for budget in (sol.min_budget, sol.store_all_peak):
+        schedule = sol.schedule(budget)
+        predicted = hcv.simulate(chain, schedule).peak_memory
+        measured = measure(hcv.wrap(model, schedule), x, repeats=1).peak_bytes
+        assert 0.9 * predicted <= measured <= predicted, (str(schedule), measured, predicted)
+
 @pytest.mark.cuda
 def test_memory_meter_cuda():
     dev = torch.device("cuda")

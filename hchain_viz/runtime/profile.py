@@ -28,7 +28,9 @@ own, in order, on the real output of the stage before (only one stage's autograd
   leaves; ``nograd_tmp[i]``: the same for a forward without autograd (``Fck``, ``Fn``), whose intermediates are not
   saved; ``bwd_tmp[i]``: the same for the backward, beyond the input gradient.
   The backward is measured as the executor runs it, with δ_{i+1} handed over to autograd (freed as soon as it is
-  done with it), plus ``BACKWARD_SLACK``. Measured by
+  done with it), plus ``BACKWARD_SLACK``; where the next stage's backward makes δ_{i+1} in another layout than
+  x_{i+1}'s, as it arrives inside a joined backward, it is measured again in that one and the larger kept
+  (:func:`_relayout`; each stage's input is held to the end of profiling for this). Measured by
   :class:`~hchain_viz.runtime.memtrack.MemoryMeter` (CUDA statistics, or the allocator's own log of allocations and
   frees on the CPU, which leaves compiled stages compiled).
 
@@ -191,6 +193,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     identity: list[list[int]] = [list(range(len(tensors(sample_input))))]
     signatures: list[Any] = []  # per stage, what makes two stages the same computation (see _signature)
     sizes = {j: nbytes(t) for j, t in enumerate(tensors(sample_input))}
+    profiled: list[_StageProfile] = []  # each keeps its input x_i to the end, for _relayout
     with preserved_state(modules + [m for _, m in stages], dev), bar:
         h = _leaves(sample_input)
         for i, ((name, module), stage) in enumerate(zip(stages, runners)):
@@ -200,7 +203,10 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             r.run(warmup, repeats)
             if i in pairs and prev is not None and (c := _call_cost(prev, r, warmup, repeats)) is not None:
                 calls.append(c)
+            if prev is not None:
+                prev.grads = None  # made again, in another layout, where _relayout needs them
             prev = r
+            profiled.append(r)
             transit[i], consumed[i] = (r.transit_in, r.consumed_in) if i > 0 else (0, 0)
             delta[i], ntmp[i], handed[i] = r.delta_in, r.nograd_tmp, r.delta_through
             candidates, through = r.candidates_out, r.through_out
@@ -225,6 +231,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
                 ids.append(j)
             identity.append(ids)
             bar.update(1)
+        _relayout(profiled, btmp, delta, handed)
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     meta = {
         "device": str(dev),
@@ -330,6 +337,27 @@ def _identical(signatures: list[Any], xs: list[int], xbar: list[int]) -> list[tu
     for i, sig in enumerate(signatures):
         by.setdefault((sig, xs[i + 1], xbar[i]), []).append(i)
     return [tuple(v) for v in by.values() if len(v) > 1]
+
+
+def _relayout(profiled: list[_StageProfile], btmp: list[int], delta: list[int], handed: list[int]) -> None:
+    """Measure B(i) again with δ_{i+1} laid out as the backward of stage i+1 makes it, where that differs from the
+    layout of x_{i+1} it was measured with, and keep the larger backward (``btmp``, ``handed``: updated in place).
+
+    The executor hands a group's last backward δ_{i+1} from a leaf's ``.grad``, laid out as x_{i+1}; inside a
+    joined graph δ_{i+1} arrives as stage i+1's backward made it (contiguous from a mean's backward where x_{i+1} is
+    channels-last), and B(i) may copy it into the layout it needs (a convolution's backward does). The layouts
+    arriving at each boundary are followed from the loss down, since a residual block hands δ on unchanged."""
+    arriving = {profiled[-1].raw_delta}  # the layouts in which δ_{i+1} leaves stage i+1's backward
+    for i in range(len(profiled) - 2, -1, -1):
+        r = profiled[i]
+        made = {r.raw_delta}
+        total, through = btmp[i] + delta[i] - handed[i], handed[i]
+        for layout in {r.layout_from(raw) for raw in arriving} - {r.grad_layout}:
+            bwd_tmp, delta_in, delta_through, raw = r.backward_in(layout)
+            total, through = max(total, bwd_tmp + delta_in - delta_through), min(through, delta_through)
+            made.add(raw)
+        btmp[i], handed[i] = total - (delta[i] - through), through
+        arriving = made
 
 
 # Pairs of neighbouring stages whose backward is timed as one call and apart (spread over the chain): what a call
@@ -488,11 +516,33 @@ class _StageProfile:
             self.grads = [None if g is None else g.detach() for g in grads]
         else:
             self.grads = [torch.ones_like(t) for t in diff]
+        self.grad_layout = tuple(None if g is None else g.stride() for g in self.grads)
+
+    def layout_from(self, raw: tuple) -> tuple:
+        """The strides of δ_{i+1} (per output that gets a gradient) as the next stage's backward made it (``raw``:
+        its ``raw_delta``), the stand-in's where that backward left none."""
+        at = [k for k, t in enumerate(tensors(self.next_input)) if t.requires_grad]
+        return tuple(s if raw[k] is None else raw[k] for k, s in zip(at, self.grad_layout))
+
+    def backward_in(self, layout: tuple) -> tuple[int, int, int, tuple]:
+        """Measure again with δ_{i+1} laid out as ``layout``: ``(bwd_tmp, delta_in, delta_through, raw_delta)``."""
+        diff = [t for t in tensors(self.next_input) if t.requires_grad]
+        self.grads = [torch.ones_like(t) if s is None else
+                      torch.empty_strided(t.shape, s, dtype=t.dtype, device=t.device).fill_(1)
+                      for t, s in zip(diff, layout)]
+        self._memory()
+        self.grads = None
+        return self.bwd_tmp, self.delta_in, self.delta_through, self.raw_delta
 
     def _memory(self) -> None:
         """xbar, fwd_tmp, bwd_tmp from one recording forward + backward and one no-grad forward."""
         inp = self._input()
         saved: dict[int, tuple[int, int]] = {}  # what autograd saves: id(storage) -> (address, bytes)
+        # the strides of δ_i as this backward makes it, before a leaf's AccumulateGrad lays it out as x_i
+        raw: list[tuple[int, ...] | None] = [None] * len(tensors(inp))
+        for k, t in enumerate(tensors(inp)):
+            if t.requires_grad:
+                t.register_hook(lambda g, k=k: raw.__setitem__(k, g.stride()))
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = storage_of(t)
@@ -553,6 +603,7 @@ class _StageProfile:
                                      and p not in fresh])
         del grads
         self._clear_input_grads()
+        self.raw_delta = tuple(raw)
         del inp
         created = log.created_addresses(0)
         fwd, _, bwd = meter.spans
