@@ -413,18 +413,19 @@ def test_non_persistent_schedules_are_outside_the_model():
 
 # ---------------------------------------------------------------------------------------------------- kernel vs twin
 def _check_twin(chain: hcv.Chain, max_budget: int, slots: int) -> None:
-    sol = hcv.solve(chain, max_budget=max_budget, slots=slots)
-    twin = oracles.twin_solve(chain, sol.max_budget, sol.slots, solver._TIE_RTOL)
-    L, S = chain.length, sol.slots
+    """One table with every charge rounded up (the twin's rounding) against the twin, entry by entry."""
+    slots = min(slots, max_budget)
+    table = solver._build_table(chain, max_budget, slots, (0, 1), 1, False)
+    twin = oracles.twin_solve(chain, max_budget, slots, solver._TIE_RTOL)
+    L, S = chain.length, slots
     for (m, i, l), choice in twin.Cch.items():  # noqa: E741
-        assert sol._Cch[solver._row(L, i, l), m] == choice, (m, i, l)
+        assert table.Cch[solver._row(L, i, l), m] == choice, (m, i, l)
     for (m, i), choice in twin.Dch.items():
-        assert sol._Dch[i, m] == choice, (m, i)
-    np.testing.assert_array_equal(sol._D0, [twin.D[(m, 0)] for m in range(S + 1)])  # bit for bit
+        assert table.Dch[i, m] == choice, (m, i)
+    np.testing.assert_array_equal(table.times, [twin.makespan_at_slot(s) for s in range(S + 1)])  # bit for bit
     for s in range(S + 1):
-        budget = sol._slot_bytes(s)  # the least budget that rounds down to s slots
-        if math.isfinite(twin.makespan_at_slot(s)) and sol._best[s] == s and budget < sol.store_all_peak:
-            assert sol._dp_schedule(budget).ops == oracles.twin_schedule(twin, L, s).ops
+        if math.isfinite(twin.makespan_at_slot(s)):
+            assert solver._rebuild_ops(table, s) == oracles.twin_schedule(twin, L, s).ops
 
 
 @settings(max_examples=40, deadline=None)
@@ -510,14 +511,23 @@ def test_concurrent_solves_from_threads():
     from concurrent.futures import ThreadPoolExecutor
 
     chains = [hcv.Chain.random(60, seed=s) for s in range(4)]
-    alone = [hcv.solve(c)._Cch for c in chains]
+    alone = [_choices(hcv.solve(c)) for c in chains]
     with ThreadPoolExecutor(2) as pool:
-        together = list(pool.map(lambda c: hcv.solve(c)._Cch, chains))
-    assert all(np.array_equal(a, b) for a, b in zip(alone, together))
+        together = list(pool.map(lambda c: _choices(hcv.solve(c)), chains))
+    assert all(np.array_equal(a, b) for x, y in zip(alone, together) for a, b in zip(x, y))
 
 
 # ---------------------------------------------------------------------------------------------------- consistency
+def _choices(sol: solver.Solution) -> list[np.ndarray]:
+    return [a for t in sol._tables for a in (t.Cch, t.Dch)]
+
+
 def _check_solution(chain: hcv.Chain, sol: solver.Solution, budgets) -> None:
+    for k, peak in enumerate(sol._front_peak.tolist()):  # the exact peaks the answers rest on are the simulator's
+        trace = simulate(chain, sol._slot_schedule(k, {}))
+        assert trace.peak_memory == peak and close(trace.makespan, sol._front_t[k]), k
+    if not sol.single_level and sol.min_budget is not None:
+        assert sol.min_budget == min(solver.least_budget(chain), sol.store_all_peak)
     prev = math.inf
     for b in budgets:
         t = sol.makespan(int(b))
@@ -572,10 +582,11 @@ def test_resolution_never_exceeds_budget_and_converges():
     fine = hcv.solve(chain, slots=4000)
     for slots in (20, 100, 500):
         coarse = hcv.solve(chain, slots=slots)
-        assert coarse.unit == pytest.approx(coarse.max_budget / slots)
+        assert coarse.unit == pytest.approx(coarse.max_budget / (slots // 2))  # half the slots span the whole range
         for b in np.linspace(coarse.min_budget, coarse.store_all_peak, 25).astype(int):
-            assert coarse.makespan(int(b)) >= fine.makespan(int(b)) * (1 - 1e-12)  # rounding only loses
             assert simulate(chain, coarse.schedule(int(b))).peak_memory <= b
+            if slots == 500:
+                assert coarse.makespan(int(b)) <= fine.makespan(int(b)) * 1.01
 
 
 # ---------------------------------------------------------------------------------------------------- revolve bound
@@ -627,13 +638,8 @@ def test_tie_rule_prefers_no_recomputation():
     schedule, although recomputing the zero-cost stages would take the same time."""
     chain = hcv.Chain(fwd_time=[0, 1, 0, 0, 2], bwd_time=[0, 1, 0, 2, 1], x=[1, 2, 1, 3, 1, 2], xbar=[2, 2, 3, 2, 2],
                       fwd_tmp=[1, 0, 0, 1, 0])
-    sol = exact(chain)
-    out = np.empty((64, 2), np.int32)
-    sz = sol._sizes
-    n = solver._kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], sol._Cch, sol._Dch, sol.slots - int(sz["x0"][0]),
-                                     out)
-    ops = tuple(Op(solver._KINDS[k], int(i)) for k, i in out[:n])
-    assert ops == store_all(chain).ops
+    table = exact(chain)._tables[0]
+    assert solver._rebuild_ops(table, table.slots) == store_all(chain).ops
 
 
 def test_infeasible_budget_names_the_least_budget():
@@ -820,11 +826,11 @@ def test_optimal_schedule_narrows_the_rounding_gap():
     gained = 0
     for seed in range(6):
         chain = hcv.Chain.random(8, seed=seed)
-        coarse = hcv.solve(chain, slots=500)
+        coarse = hcv.solve(chain, slots=40)
         fine = hcv.solve(chain, slots=5000)
         for f in (0.2, 0.5, 0.8):
             b = int(coarse.min_budget + f * (coarse.store_all_peak - coarse.min_budget))
-            one = hcv.optimal_schedule(chain, b)
+            one = hcv.optimal_schedule(chain, b, slots=40)
             tr = simulate(chain, one)
             assert tr.peak_memory <= b
             assert tr.makespan <= coarse.makespan(b) * (1 + 1e-12)
@@ -850,4 +856,5 @@ def test_solver_threads_leave_busy_cores_alone(monkeypatch):
     assert 0 <= solver._busy_cores() < 10**6  # reads /proc/stat here
     chain = hcv.Chain.random(40, seed=5)
     one, many = hcv.solve(chain, slots=200, threads=1), hcv.solve(chain, slots=200, threads=cores)
-    assert np.array_equal(one._Cch, many._Cch) and np.array_equal(one._D0, many._D0)
+    assert all(np.array_equal(a, b) for a, b in zip(_choices(one), _choices(many)))
+    assert all(np.array_equal(a.times, b.times) for a, b in zip(one._tables, many._tables))

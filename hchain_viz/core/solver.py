@@ -1,22 +1,25 @@
-"""The optimal solver (DESIGN §4): Rotor's dynamic programme, corrected for the memory model of DESIGN §3.
+"""The optimal solver (docs/design.md §4): Rotor's dynamic programme, corrected for the memory model of DESIGN §3.
 
-``solve(chain)`` fills the DP table once for every memory budget up to a maximum; the returned :class:`Solution`
-answers any budget by reading the table (``makespan``) and rebuilding the op list from the stored choices
+``solve(chain)`` fills the DP tables once for every memory budget up to a maximum; the returned :class:`Solution`
+answers any budget from the schedules the tables hold (``makespan``) and rebuilds the op list from the stored choices
 (``schedule``), so a slider over budgets never re-solves.
 
-Two tables, sizes in *slots* (``unit = max_budget / slots`` bytes; sizes rounded up, budgets rounded down, so a
-schedule never exceeds the real budget; with integer sizes and ``slots == max_budget`` the solver is exact):
+Two tables, sizes in *slots* (``unit = max_budget / slots`` bytes, rounded to whole slots; with integer sizes and
+``slots == max_budget`` the solver is exact):
 
 - ``C[m, i, l]`` (``l < L``): least time to run forward and backward of stages ``i..l`` within ``m``, x_i held by the
   caller, δ_{l+1} resident and charged. Options: the *chain* option ``Fall(i) [i+1..l] B(i)``, or the *leaf* option
   with a checkpoint at ``j``: ``Fck(i) Fn(i+1..j-1) [j..l] [i..j-1]``.
 - ``D[m, i]``: the same for the spine ``i..L`` that contains the loss (and creates the held output x_L).
 
-The recurrences, guards and the two corrections to the published Rotor code are in DESIGN §4; the kernels below
-follow them line by line. Tensors shared by several cuts (``chain.shared``, DESIGN §8: the residual stream inside a
-layer) are counted once, as the simulator counts them: the DP charges each value what it adds beside the value it was
-computed from, which is resident whenever the DP's schedules hold it (:func:`dp_sizes`). This keeps the DP exact
-(checked against the exhaustive search with shared tensors); with ``chain.shared == ()`` nothing changes.
+The recurrences, guards, the two corrections to the published Rotor code, and how budgets are rounded to slots are
+in docs/design.md §4; the kernels below follow them line by line. What a schedule of the tables needs is counted
+again in exact bytes (``_peaks``): a :class:`Solution` answers a budget with the fastest schedule whose exact peak
+fits it, from a table over the whole range, a finer one over its bottom, and the fastest schedule at exactly the
+least budget (``_least_tree``). Tensors shared by several cuts (``chain.shared``, DESIGN §8: the residual stream
+inside a layer) are counted once, as the simulator counts them: the DP charges each value what it adds beside the
+value it was computed from, which is resident whenever the DP's schedules hold it (:func:`dp_sizes`). This keeps the
+DP exact (checked against the exhaustive search with shared tensors); with ``chain.shared == ()`` nothing changes.
 What the optimum is over: every schedule whose checkpoints *persist* (an x_k kept by
 ``Fck(k)`` stays until ``B(k)`` frees it) — checked against an exhaustive search of that class. The simulator also
 accepts schedules that later drop such a checkpoint with ``Fn(k)`` and recompute it from an earlier one; on some
@@ -34,7 +37,7 @@ import math
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -58,6 +61,21 @@ _TIE_RTOL = 1e-12
 # A leaf option is skipped at budgets where its least possible time exceeds the best so far by this relative margin
 # (far above the tie rule's slack, far below any real difference: see _useful_end).
 _PRUNE_RTOL = 1e-9
+
+# The two tables of solve: the whole range with half of ``slots``, and the bottom, up to _BOTTOM_SPAN (3/2) of the
+# least budget (the whole range when narrower), finest where the table is cheap: ``slots`` times (_LONG / L)^2 / 2,
+# within _BOTTOM_SHARE (a fifth to four times ``slots``) and at most _BOTTOM_BYTES while building (or half of
+# ``slots``). The bottom's rows do more work per slot; at L = 500 the two build in the time of one table of ``slots``.
+# Below _MIN_BOTTOM_SLOTS slots for each, one table serves.
+_BOTTOM_SPAN = (3, 2)
+_BOTTOM_SHARE = (0.2, 4.0)
+_LONG = 300
+_BOTTOM_BYTES = 128 * 2**20
+_MIN_BOTTOM_SLOTS = 8
+# The whole-range table rounds a charge down when it exceeds whole slots by at most a fifth of a slot: its budgets
+# are then nearer the truth on average (the exact peaks decide what fits). Measured in docs/benchmarks.md.
+_ROUND_DOWN = (1, 5)
+_BOTTOM_ROUND = (1, 5)
 
 # Choice codes in the tables: the chain option (also the base case i == l, and the loss), or infeasible; a leaf
 # option stores its checkpoint index j > i.
@@ -435,6 +453,83 @@ def _rebuild(xs, xbar, tr, Cch, Dch, m0, out):  # pragma: no cover - runs compil
     return n
 
 
+def _peaks(xs, xbar, tr, Cch, Dch, starts, ex, exs, eloc, eg, egd, edloc, eshift, out):  # pragma: no cover
+    """The exact peak (bytes) of the table's schedule for each start budget ``starts[k]`` (slots, as ``_rebuild``
+    takes ``m0``), written to ``out[k]``. The walk follows ``_rebuild``'s choices (slot sizes ``xs``, ``xbar``,
+    ``tr`` track the budgets) and charges each node the conditions of its option in exact bytes (``ex``: the δ
+    sizes; ``exs``: ``xs``; ``eloc``/``eg``: ``_bounds``'s LOC and G; ``egd[i, j]``: a spine leaf's guard;
+    ``edloc[i]``: the spine chain option's conditions; ``eshift[i]``: x̄_{i+1} less the transit part of x_i). Every
+    condition is ``offset + constant`` and a child's offset adds to its parent's, so the peak is the largest
+    ``offset + constant`` over the tree: the least budget at which these exact recurrences accept the schedule,
+    the simulator's peak (tests/test_solver.py)."""
+    L = xbar.shape[0]
+    top_m = Cch.shape[1] - 1
+    stack = np.empty((2 * L + 8, 5), np.int64)  # task (0 = D, 1 = C), m, i, l, offset in bytes
+    for k in range(starts.shape[0]):
+        stack[0, 0] = 0
+        stack[0, 1] = starts[k]
+        stack[0, 2] = 0
+        stack[0, 3] = L
+        stack[0, 4] = 0
+        top = 1
+        peak = 0
+        while top > 0:
+            top -= 1
+            task = stack[top, 0]
+            m = stack[top, 1]
+            i = stack[top, 2]
+            l = stack[top, 3]  # noqa: E741
+            a = stack[top, 4]
+            if task == 0 and i == L:  # the loss: δ_L
+                peak = max(peak, a + ex[L])
+                continue
+            j = Dch[i, m] if task == 0 else Cch[_row(L, i, l), m]
+            if j == _CHAIN:
+                peak = max(peak, a + (edloc[i] if task == 0 else eloc[i, l]))
+                if task == 0 or i < l:
+                    stack[top, 0] = task
+                    stack[top, 1] = _sub_at(m, xbar[i] - tr[i], top_m)
+                    stack[top, 2] = i + 1
+                    stack[top, 3] = l
+                    stack[top, 4] = a + eshift[i]
+                    top += 1
+            else:
+                if task == 0:
+                    peak = max(peak, a + egd[i, j])
+                    stack[top, 1] = m - xs[i, L]
+                    stack[top, 4] = a + exs[i, L]
+                else:
+                    peak = max(peak, a + max(eg[i, j] - ex[j + 1] + ex[l + 1], exs[i, j]))
+                    stack[top, 1] = m
+                    stack[top, 4] = a
+                stack[top, 0] = 1
+                stack[top, 2] = i
+                stack[top, 3] = j - 1
+                top += 1
+                stack[top, 0] = task
+                stack[top, 1] = m - xs[i, j]
+                stack[top, 2] = j
+                stack[top, 3] = l
+                stack[top, 4] = a + exs[i, j]
+                top += 1
+        out[k] = peak
+
+
+def _spine_bounds(x, xs, xbar, tr, co, ftmp, ntmp, btmp, GD, DLOC):  # pragma: no cover - runs compiled
+    """Per spine stage i (as ``_spine`` states them): ``GD[i, j]`` the guard of the leaf option with its checkpoint
+    at j, ``DLOC[i]`` the least m of the chain option (before its sub-spine)."""
+    L = xbar.shape[0]
+    for i in range(L - 1, -1, -1):
+        g = xs[i, i + 1] + ntmp[i]
+        for j in range(i + 1, L + 1):
+            if j - 1 > i:
+                g = max(g, xs[i, j - 1] + xs[j - 1, j] + ntmp[j - 1])
+            GD[i, j] = max(g, xs[i, j], xs[i, L])
+        need_b = (x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L]) - tr[i] - tr[i + 1]
+                  - co[i + 1])
+        DLOC[i] = max(xbar[i] + ftmp[i], need_b, xbar[i] - tr[i])
+
+
 def _least_memory(x, xs, xbar, tr, co, ftmp, ntmp, btmp):  # pragma: no cover - runs compiled
     """The least m for which ``D[m, 0]`` is finite: the same recurrences with feasibility thresholds composed by
     ``max`` (all of an option's conditions) and ``min`` (the best option). O(L^3), no slots."""
@@ -469,6 +564,67 @@ def _least_memory(x, xs, xbar, tr, co, ftmp, ntmp, btmp):  # pragma: no cover - 
             best = min(best, max(g, xs[i, j] + Dm[j], xL + Cm[i, j - 1]))
         Dm[i] = min(best, big)
     return Dm[0]
+
+
+def _least_tree(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, Cc, Dc):  # pragma: no cover - runs compiled
+    """The fastest schedule among those that ``_least_memory``'s recurrences give the least budget, option by option
+    (least requirement first, then least time; the chain option, then the smallest j, on ties): its choices in the
+    one-column tables ``Cc`` and ``Dc`` (rows as in C and D), for ``_rebuild`` with every size 0. Returns (least
+    budget less x_0, time less the top-level backward call). Exact in bytes, O(L^3), no slots."""
+    L = xbar.shape[0]
+    Cm = np.empty((L, L), np.int64)
+    Ct = np.empty((L, L))
+    for d in range(L):
+        for i in range(L - d):
+            l = i + d  # noqa: E741
+            r = _row(L, i, l)
+            need_b = x[i] + x[i + 1] + xbar[i] + btmp[i] - tr[i]
+            Cc[r, 0] = _CHAIN
+            if d == 0:
+                Cm[i, l] = max(x[i + 1] + xbar[i] + ftmp[i], need_b)
+                Ct[i, l] = fwd[i] + bwd[i]
+                continue
+            best = max(x[l + 1] + xbar[i] + ftmp[i], need_b - tr[i + 1] - co[i + 1], xbar[i] - tr[i] + Cm[i + 1, l])
+            bt = fwd[i] + bwd[i] + Ct[i + 1, l]
+            g = xs[i, i + 1] + ntmp[i]
+            f = call
+            for j in range(i + 1, l + 1):
+                if j - 1 > i:
+                    g = max(g, xs[i, j - 1] + xs[j - 1, j] + ntmp[j - 1])
+                f += fwd[j - 1]
+                m = max(g + x[l + 1], xs[i, j] + Cm[j, l], Cm[i, j - 1])
+                t = f + Ct[j, l] + Ct[i, j - 1]
+                if m < best or (m == best and t < bt):
+                    best, bt = m, t
+                    Cc[r, 0] = j
+            Cm[i, l] = best
+            Ct[i, l] = bt
+    Dm = np.empty(L + 1, np.int64)
+    Dt = np.empty(L + 1)
+    Dm[L] = x[L]
+    Dt[L] = 0.0
+    Dc[L, 0] = _CHAIN
+    for i in range(L - 1, -1, -1):
+        xL = xs[i, L]
+        need_b = (x[i] + x[i + 1] + xbar[i] + btmp[i] + (0 if i == L - 1 else xs[i + 1, L]) - tr[i] - tr[i + 1]
+                  - co[i + 1])
+        best = max(xbar[i] + ftmp[i], need_b, xbar[i] - tr[i] + Dm[i + 1])
+        bt = fwd[i] + bwd[i] + Dt[i + 1]
+        Dc[i, 0] = _CHAIN
+        g = xs[i, i + 1] + ntmp[i]
+        f = call
+        for j in range(i + 1, L + 1):
+            if j - 1 > i:
+                g = max(g, xs[i, j - 1] + xs[j - 1, j] + ntmp[j - 1])
+            f += fwd[j - 1]
+            m = max(g, xs[i, j] + Dm[j], xL + Cm[i, j - 1])
+            t = f + Dt[j] + Ct[i, j - 1]
+            if m < best or (m == best and t < bt):
+                best, bt = m, t
+                Dc[i, 0] = j
+        Dm[i] = best
+        Dt[i] = bt
+    return Dm[0], Dt[0]
 
 
 def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, Cch, D, Dch, threads: int,
@@ -615,10 +771,12 @@ def _kernels() -> dict[str, Any]:
         g = globals()
         for name in ("_row", "_sub_at", "_take_chain", "_bounds", "_useful_end", "_chain_time", "_leaf", "_leaves",
                      "_finish", "_tile", "_columns", "_fill_blocks", "_fill_chains", "_spine", "_rebuild",
-                     "_least_memory"):
+                     "_least_memory", "_peaks", "_spine_bounds", "_least_tree"):
             g[name] = numba.njit(**_NUMBA_OPTIONS)(g[name])
         _compiled.update(fill=_fill_table, bounds=_bounds, tile=_tile, columns=_columns, blocks=_fill_blocks,
-                         chains=_fill_chains, spine=_spine, rebuild=_rebuild, least=_least_memory)
+                         chains=_fill_chains, spine=_spine, rebuild=_rebuild, least=_least_memory,
+                         peaks=_peaks, spine_bounds=_spine_bounds,
+                         least_tree=_least_tree)
     return _compiled
 
 
@@ -626,58 +784,60 @@ def _kernels() -> dict[str, Any]:
 # Public API
 # ------------------------------------------------------------------------------------------------------------------
 class Solution:
-    """The optimal makespan and schedule for every budget up to ``max_budget``, from one DP table.
+    """The optimal makespan and schedule for every budget up to ``max_budget``, from the DP tables of :func:`solve`.
 
-    Attributes (bytes and seconds): ``chain``; ``max_budget``; ``slots`` (the table's memory resolution);
-    ``single_level`` (answers only with schedules that recompute each stage at most once, see :func:`solve`);
-    ``unit`` (bytes per slot, ``max_budget / slots``); ``min_budget`` (least feasible budget at this resolution, None
-    when nothing fits up to ``max_budget``); ``store_all_peak`` (peak of storing everything; at or above it the
-    answer is exactly store-all, ``chain.store_all_time``).
+    Attributes (bytes and seconds): ``chain``; ``max_budget``; ``slots`` (the memory resolution asked of
+    :func:`solve`); ``single_level`` (answers only with schedules that recompute each stage at most once, see
+    :func:`solve`); ``unit`` (bytes per slot of the whole-range table); ``min_budget`` (the least budget with an
+    answer: the exact least feasible budget, see :func:`least_budget`, unless ``single_level``; None when nothing fits
+    up to ``max_budget``); ``store_all_peak`` (peak of storing everything; at or above it the answer is exactly
+    store-all, ``chain.store_all_time``).
 
-    Budgets above ``max_budget`` are answered as ``max_budget``. A budget is rounded down to whole slots, so the
-    answer for budget b is a schedule whose simulated peak is at most b.
-
-    Never behind a baseline that fits (DESIGN §10): rounding sizes up to whole slots can make the table's answer at
-    a budget slower than a :mod:`~hchain_viz.core.strategies` baseline whose exact peak fits it (at the baseline's
-    own peak, typically). ``makespan``, ``schedule``, ``frontier`` and ``min_budget`` therefore answer with the
-    fastest of the table's schedule and every baseline schedule whose simulated peak fits
-    (:func:`~hchain_viz.core.strategies.baseline_frontier`, computed on first use and cached per chain, shared with
-    the explorer's baseline points); a schedule's ``meta["source"]`` says which it is: ``"dp"`` or
-    ``"baseline:<family>(<setting>)"`` (e.g. ``"baseline:periodic(3)"``). For a single budget,
+    Budgets above ``max_budget`` are answered as ``max_budget``. The answer at budget b is the fastest schedule of
+    the tables whose exact (simulated) peak is at most b, so it never exceeds b and never gets slower as b grows
+    (docs/design.md §4), or the fastest :mod:`~hchain_viz.core.strategies` baseline whose simulated peak fits when
+    that is faster still (DESIGN §10; :func:`~hchain_viz.core.strategies.baseline_frontier`, computed on first use
+    and cached per chain, shared with the explorer's baseline points). A schedule's ``meta["source"]`` says which it
+    is: ``"dp"`` or ``"baseline:<family>(<setting>)"`` (e.g. ``"baseline:periodic(3)"``). For a single budget,
     :func:`optimal_schedule` also re-solves at a finer resolution (``"dp-refined"``).
     """
 
-    def __init__(self, chain: Chain, max_budget: int, slots: int, store_all_peak: int, sizes: dict[str, np.ndarray],
-                 Cch: np.ndarray, Dch: np.ndarray, D0: np.ndarray, single_level: bool = False) -> None:
+    def __init__(self, chain: Chain, max_budget: int, slots: int, store_all_peak: int, tables: list[_Table],
+                 single_level: bool = False) -> None:
         self.chain = chain
         self.single_level = single_level
         self.max_budget = int(max_budget)
         self.slots = int(slots)
         self.store_all_peak = int(store_all_peak)
-        self._sizes = sizes  # slot sizes: x (L+2 entries, x[L+1] = 0), xbar, fwd_tmp, bwd_tmp
-        self._Cch, self._Dch = Cch, Dch  # the choice tables (C rows: see _row); all a rebuild needs
-        self._D0 = D0  # D[m, 0] as the kernel left it (m = budget in slots minus the slots of x_0)
-        S = self.slots
-        sx0 = int(sizes["x0"][0])
-        # Best time per budget in slots s (x_0 included). Store-all time is a bound no schedule beats; values within
-        # the tie margin of it (float reassociation) are snapped to it, so they agree with the store-all answer.
-        t = np.full(S + 1, math.inf)
-        if sx0 <= S:
-            t[sx0:] = D0[: S + 1 - sx0]
+        self._tables = tuple(tables)  # the whole range first, then the bottom table if any (see solve)
         self._store_all_time = sat = chain.store_all_time
-        t[t <= sat * (1.0 + _TIE_RTOL)] = sat
-        # Answer slot s with the least s' <= s reaching the running minimum: makespan never increases with the
-        # budget, and the schedule of s' fits in s. A new minimum must improve by more than the tie margin.
-        best = np.empty(S + 1, np.int64)
-        cur, cur_t = -1, math.inf
-        for s in range(S + 1):  # S is at most a few thousand: a plain loop is fine here, once
-            if t[s] * (1.0 + _TIE_RTOL) < cur_t:
-                cur, cur_t = s, t[s]
-            best[s] = cur
-        self._t = t
-        self._best = best
-        first = int(np.argmax(best >= 0)) if (best >= 0).any() else None
-        self._dp_min = None if first is None else self._slot_bytes(first)
+        # Candidates: per table, the least slot of each time it reaches (its schedule fits the fewest slots), with
+        # the exact peak of that schedule. The answers are the candidates' Pareto front in exact bytes, not in slots:
+        # a schedule counts at every budget its simulated peak fits (docs/design.md §4).
+        peaks, times, where = [], [], []
+        for k, table in enumerate(self._tables):
+            # Store-all time is a bound no schedule beats; values within the tie margin of it (float reassociation)
+            # are snapped to it, so they agree with the store-all answer.
+            t = np.where(table.times <= sat * (1.0 + _TIE_RTOL), sat, table.times)
+            cand, cur_t = [], math.inf
+            for m in range(t.shape[0]):  # a few thousand slots at most: a plain loop is fine here, once
+                if t[m] * (1.0 + _TIE_RTOL) < cur_t:
+                    cand.append(m)
+                    cur_t = t[m]
+            starts = np.array(cand, np.int64)
+            peaks.append(_exact_peaks(chain, table, starts))
+            times.append(t[starts])
+            where += [(k, m) for m in cand]
+        peak_all, time_all = np.concatenate(peaks), np.concatenate(times)
+        keep, cur_t = [], math.inf
+        for n in np.lexsort((time_all, peak_all)).tolist():  # by exact peak: counts only if faster than all below
+            if time_all[n] * (1.0 + _TIE_RTOL) < cur_t:
+                keep.append(n)
+                cur_t = time_all[n]
+        self._front_peak = peak_all[keep]
+        self._front_t = time_all[keep]
+        self._front_at = [where[n] for n in keep]  # (table, m): the schedule's start in that table
+        self._dp_min = int(self._front_peak[0]) if keep else None
         self._cache: dict[str, Any] = {}  # the baselines, computed on first use (see _baselines)
         self._frozen = True
 
@@ -688,8 +848,9 @@ class Solution:
 
     @property
     def min_budget(self) -> int | None:
-        """The least budget (bytes) with an answer: the table's least feasible budget at this resolution, or a
-        baseline's peak where one fits below it; None when nothing fits up to ``max_budget``."""
+        """The least budget (bytes) with an answer: the exact least feasible budget, where the tables hold a schedule
+        (source ``"dp"``); with ``single_level``, the least peak of the tables' schedules or a baseline's below it;
+        None when nothing fits up to ``max_budget``."""
         peaks = self._baselines()[0]
         cands = [b for b in (self._dp_min, self.store_all_peak if self.store_all_peak <= self.max_budget else None,
                              int(peaks[0]) if len(peaks) else None) if b is not None]
@@ -707,31 +868,24 @@ class Solution:
         return self._cache["base"]
 
     def _answer(self, b: int) -> tuple[float, Any]:
-        """(makespan, which) at ``b`` bytes (at most ``max_budget``): ``which`` is ``"store_all"``, ``"dp"``, a
-        baseline entry ``(peak, makespan, label, schedule)`` that beats the table by more than the tie margin, or
-        None when nothing fits."""
+        """(makespan, which) at ``b`` bytes (at most ``max_budget``): ``which`` is ``"store_all"``, the index (int)
+        of the tables' schedule in the front, a baseline entry ``(peak, makespan, label, schedule)`` that beats the
+        tables by more than the tie margin, or None when nothing fits."""
         if b >= self.store_all_peak:
             return self._store_all_time, "store_all"
-        s = self._best[self._slots_of(b)]
-        t = float(self._t[s]) if s >= 0 else math.inf
+        k = int(np.searchsorted(self._front_peak, b, side="right")) - 1
+        t = float(self._front_t[k]) if k >= 0 else math.inf
         peaks, times, front = self._baselines()
-        k = int(np.searchsorted(peaks, b, side="right")) - 1
-        if k >= 0 and times[k] < t:  # the exact minimum: makespan stays non-increasing in the budget
-            return float(times[k]), front[k]
-        return t, ("dp" if s >= 0 else None)
+        kb = int(np.searchsorted(peaks, b, side="right")) - 1
+        if kb >= 0 and times[kb] < t:  # the exact minimum: makespan stays non-increasing in the budget
+            return float(times[kb]), front[kb]
+        return t, (k if k >= 0 else None)
 
     # ---------------------------------------------------------------- budgets and slots
     @property
     def unit(self) -> float:
-        """Bytes per slot."""
-        return self.max_budget / self.slots
-
-    def _slot_bytes(self, s: int) -> int:
-        """The least budget (bytes) that rounds down to ``s`` slots."""
-        return -(-s * self.max_budget // self.slots)
-
-    def _slots_of(self, budget: int) -> int:
-        return budget * self.slots // self.max_budget
+        """Bytes per slot of the whole-range table."""
+        return self._tables[0].max_budget / self._tables[0].slots
 
     def _budget(self, budget: Any) -> int:
         return min(_read_bytes(budget), self.max_budget)
@@ -767,26 +921,25 @@ class Solution:
         meta = {"strategy": "optimal", "budget": requested, "slots": self.slots, "source": "dp"}
         if which == "store_all":  # store-all is optimal and exact here: no rounding, no recomputation
             return self._finish(store_all(self.chain).ops, meta)
-        if which != "dp":  # a baseline that fits beats the rounded table here
+        if isinstance(which, tuple):  # a baseline that fits beats the rounded table here
             meta["source"] = f"baseline:{which[2]}"
             return self._finish(which[3].ops, meta)
-        return self._dp_schedule(b, meta)
+        return self._slot_schedule(which, meta)
 
-    def _dp_schedule(self, budget: int, meta: dict | None = None) -> Schedule:
-        """The table's own schedule at ``budget`` bytes (no baseline check; it must fit at this resolution)."""
+    def _dp_schedule(self, budget: int) -> Schedule:
+        """The table's own answer at ``budget`` bytes (no baseline check): the fastest of its schedules whose exact
+        peak fits."""
         b = min(budget, self.max_budget)
-        meta = {"strategy": "optimal", "budget": budget, "slots": self.slots, "source": "dp"} if meta is None else meta
-        s = int(self._best[self._slots_of(b)])
-        if s < 0:
+        k = int(np.searchsorted(self._front_peak, b, side="right")) - 1
+        if k < 0:
             raise self._infeasible(budget)
-        L = self.chain.length
-        out = np.empty((L * (L + 1) // 2 + L + 2, 2), np.int32)  # at most L(L+1)/2 forwards
-        sz = self._sizes
-        n = _kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], self._Cch, self._Dch, s - int(sz["x0"][0]), out)
-        if n < 0:  # cannot happen: a DP schedule has at most L(L+1)/2 forwards
-            raise RuntimeError("internal error: schedule longer than its bound")
-        kinds = [_KINDS[k] for k in out[:n, 0].tolist()]
-        return self._finish(tuple(map(Op, kinds, out[:n, 1].tolist())), meta)
+        meta = {"strategy": "optimal", "budget": budget, "slots": self.slots, "source": "dp"}
+        return self._slot_schedule(k, meta)
+
+    def _slot_schedule(self, k: int, meta: dict) -> Schedule:
+        """The schedule of the front's entry ``k``, rebuilt from its table."""
+        table, m = self._front_at[k]
+        return self._finish(_rebuild_ops(self._tables[table], m), meta)
 
     def _finish(self, ops: tuple[Op, ...], meta: dict) -> Schedule:
         # The predicted makespan is the simulator's (one place that counts the backward calls).
@@ -821,7 +974,7 @@ class Solution:
     def frontier(self) -> list[tuple[int, float]]:
         """Breakpoints ``(budget_bytes, makespan)`` of the time-memory trade-off: budgets increasing, makespans
         strictly decreasing; the first at ``min_budget``; empty when nothing fits up to ``max_budget``."""
-        cands = {self._slot_bytes(int(s)) for s in np.unique(self._best[self._best >= 0]).tolist()}
+        cands = {int(p) for p in self._front_peak.tolist()}
         cands.update(int(p) for p in self._baselines()[0])
         if self.store_all_peak <= self.max_budget:
             cands.add(self.store_all_peak)
@@ -844,8 +997,9 @@ class Solution:
 
     def _head(self) -> str:
         least = "none" if self.min_budget is None else format_bytes(self.min_budget)
-        return (f"Solution: {self.chain.length} stages, budgets up to {format_bytes(self.max_budget)} in {self.slots} "
-                f"slots of {format_bytes(self.unit)}; least feasible {least}, store-all peak "
+        grids = " and ".join(f"up to {format_bytes(t.max_budget)} in {t.slots} slots of "
+                             f"{format_bytes(t.max_budget / t.slots)}" for t in self._tables if t.slots)
+        return (f"Solution: {self.chain.length} stages, budgets {grids}; least feasible {least}, store-all peak "
                 f"{format_bytes(self.store_all_peak)} ({format_time(self._store_all_time)})")
 
     def __repr__(self) -> str:
@@ -923,26 +1077,115 @@ def _consumed_bytes(chain: Chain) -> np.ndarray:
     return co
 
 
-def _slot_sizes(chain: Chain, max_budget: int, slots: int) -> dict[str, np.ndarray]:
-    """:func:`dp_sizes` in slots, rounded up (exact integer arithmetic); anything above the whole budget is capped
-    at slots + 1, which is infeasible anyway and keeps sums far from overflow. Transit and consumed bytes are freed,
-    not charged: they are rounded down (and never more than the rounded-up x they are part of)."""
-    def up(v: np.ndarray) -> np.ndarray:
-        if slots == max_budget:
-            return np.minimum(v, slots + 1)
-        if int(v.max(initial=0)) < 2**62 // slots:
-            return np.minimum(-(-v * slots // max_budget), slots + 1)
-        return np.array([min(-(-int(b) * slots // max_budget), slots + 1) for b in v.ravel()],
-                        dtype=np.int64).reshape(v.shape)
+def _slot_sizes(chain: Chain, max_budget: int, slots: int, round_down: tuple[int, int] = (0, 1)
+                ) -> dict[str, np.ndarray]:
+    """:func:`dp_sizes` in slots of ``max_budget / slots`` bytes (exact integer arithmetic): charged sizes are rounded
+    up unless their excess over whole slots is at most the fraction ``round_down`` = (p, q) of a slot, freed ones
+    (transit and consumed bytes) rounded down unless at most that fraction short, and never more than the x they are
+    part of. (0, 1) rounds every charge up, so the table's schedules fit their slots; above 0 the table's budgets
+    are nearer the truth on average, and the exact peaks decide what fits (docs/design.md §4). Anything above the
+    whole budget is capped at slots + 1, which is infeasible anyway and keeps sums far from overflow."""
+    p, q = round_down
+    exact = slots == max_budget
+
+    def scaled(v: np.ndarray, shift: int) -> np.ndarray:  # floor((q·v·slots + shift) / (q·max_budget))
+        if exact:
+            return v
+        den = q * max_budget
+        if int(np.abs(v).max(initial=0)) < 2**61 // (q * slots) and shift < 2**61:
+            return (q * slots * v + shift) // den
+        return np.array([(q * slots * int(b) + shift) // den for b in v.ravel()], dtype=object).reshape(v.shape)
+
+    def charged(v: np.ndarray) -> np.ndarray:  # ceil(v·slots/max_budget - p/q)
+        return np.minimum(-scaled(-v, p * max_budget), slots + 1).astype(np.int64)
 
     sizes = dp_sizes(chain)
     freed = ("tr", "co")
-    out = {k: up(v) for k, v in sizes.items() if k not in freed}
+    out = {k: charged(v) for k, v in sizes.items() if k not in freed}
     for k in freed:
-        v = sizes[k]
-        out[k] = np.minimum(v if slots == max_budget else np.array([int(b) * slots // max_budget for b in v],
-                                                                   dtype=np.int64), up(np.asarray(chain.x, np.int64)))
+        out[k] = np.minimum(np.minimum(scaled(sizes[k], p * max_budget), slots + 1).astype(np.int64),
+                            charged(np.asarray(chain.x, np.int64)))
     return out
+
+
+class _Table(NamedTuple):
+    """One filled table: its budget range, resolution, sizes in slots (:func:`_slot_sizes`), choices, and
+    ``times[m]``: the least time within m slots (x_0 included)."""
+
+    max_budget: int
+    slots: int
+    sizes: dict[str, np.ndarray]
+    Cch: np.ndarray
+    Dch: np.ndarray
+    times: np.ndarray
+
+
+def _build_table(chain: Chain, max_budget: int, slots: int, round_down: tuple[int, int], threads: int,
+                 single_level: bool) -> _Table:
+    """Fill the tables C and D for budgets 0..``slots`` slots of ``max_budget / slots`` bytes (see _fill_table) and
+    keep their choices."""
+    L = chain.length
+    rows = L * (L + 1) // 2
+    sizes = _slot_sizes(chain, max_budget, slots, round_down)
+    arr = chain.arrays()
+    choice_type = np.int16 if L < 2**15 - 1 else np.int32
+    C = np.empty((rows, slots + 1), np.float64)
+    Cch = np.empty((rows, slots + 1), choice_type)
+    D = np.empty((L + 1, slots + 1), np.float64)
+    Dch = np.empty((L + 1, slots + 1), choice_type)
+    _kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
+                       sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], chain.backward_call, C,
+                       Cch, D, Dch, threads, single_level)
+    times = np.full(slots + 1, math.inf)
+    sx0 = int(sizes["x0"][0])
+    if sx0 <= slots:  # D[m, 0] leaves out x_0; the backward call that starts with B(L-1) is the caller's
+        times[sx0:] = D[0, : slots + 1 - sx0] + chain.backward_call
+    return _Table(max_budget, slots, sizes, Cch, Dch, times)
+
+
+def _least_table(chain: Chain) -> _Table:
+    """The schedule of ``_least_tree`` as a one-slot table (every size 0 in slots, so its rebuild follows the
+    one-column choices): a schedule at exactly the least budget, which no table in slots need reach."""
+    z = dp_sizes(chain)
+    arr = chain.arrays()
+    L = chain.length
+    choice_type = np.int16 if L < 2**15 - 1 else np.int32
+    Cc = np.empty((L * (L + 1) // 2, 1), choice_type)
+    Dc = np.empty((L + 1, 1), choice_type)
+    least, t = _kernels()["least_tree"](z["x"], z["xs"], z["xbar"], z["tr"], z["co"], z["fwd_tmp"], z["nograd_tmp"],
+                                    z["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], chain.backward_call, Cc, Dc)
+    zero = {k: np.zeros_like(v) for k, v in z.items()}
+    return _Table(int(least + z["x0"][0]), 0, zero, Cc, Dc, np.array([t + chain.backward_call]))
+
+
+def _rebuild_ops(table: _Table, m: int) -> tuple[Op, ...]:
+    """The ops of ``table``'s schedule within ``m`` slots (x_0 included; ``times[m]`` must be finite)."""
+    L = table.Dch.shape[0] - 1
+    out = np.empty((L * (L + 1) // 2 + L + 2, 2), np.int32)  # at most L(L+1)/2 forwards
+    sz = table.sizes
+    n = _kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], table.Cch, table.Dch, m - int(sz["x0"][0]), out)
+    if n < 0:  # cannot happen: a DP schedule has at most L(L+1)/2 forwards
+        raise RuntimeError("internal error: schedule longer than its bound")
+    kinds = [_KINDS[k] for k in out[:n, 0].tolist()]
+    return tuple(map(Op, kinds, out[:n, 1].tolist()))
+
+
+def _exact_peaks(chain: Chain, table: _Table, starts: np.ndarray) -> np.ndarray:
+    """The exact peak (bytes) of ``table``'s schedule within each of ``starts`` (slots, x_0 included; each must be
+    feasible): the table's choices, charged the conditions of :func:`dp_sizes` in bytes (``_peaks``)."""
+    z = dp_sizes(chain)
+    L = chain.length
+    k = _kernels()
+    args = (z["x"], z["xs"], z["xbar"], z["tr"], z["co"], z["fwd_tmp"], z["nograd_tmp"], z["bwd_tmp"])
+    G, LOC, SAT = (np.empty((L, L), np.int64) for _ in range(3))
+    k["bounds"](*args, G, LOC, SAT)
+    GD, DLOC = np.zeros((L, L + 1), np.int64), np.empty(L, np.int64)
+    k["spine_bounds"](*args, GD, DLOC)
+    out = np.empty(len(starts), np.int64)
+    sz = table.sizes
+    k["peaks"](sz["xs"], sz["xbar"], sz["tr"], table.Cch, table.Dch, starts - int(sz["x0"][0]), z["x"], z["xs"], LOC,
+               G, GD, DLOC, z["xbar"] - z["tr"][:L], out)
+    return out + int(z["x0"][0])
 
 
 def _read_bytes(value: Any, what: str = "the budget") -> int:
@@ -975,8 +1218,10 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     simulator, never slower than this remat-only optimum).
 
     ``max_budget``: bytes (int) or text like ``"300MiB"``; default the store-all peak, above which nothing gets
-    faster. ``slots``: the memory resolution of the table (capped at ``max_budget``, which makes integer sizes
-    exact). Time O(slots·L³), memory about ``slots·L²·5`` bytes while building (only the int16 choices are kept).
+    faster. ``slots``: the memory resolution (capped at ``max_budget``, which makes integer sizes exact): half of it
+    spans the whole range, and a second table, finer on shorter chains, the bottom up to 1.5x the least budget
+    (docs/design.md §4). Time O(slots·L³), memory about ``slots·L²·5`` bytes while building (only the int16 choices
+    are kept).
     ``threads``: threads of the table fill (default: the free cores, see :func:`solver_threads`); the table does not
     depend on it.
 
@@ -1003,24 +1248,23 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
         raise HChainError(f"max_budget must be at least 1 byte, got {max_budget!r}")
     slots = min(slots, max_budget)  # finer than one byte buys nothing
     L = chain.length
-    rows = L * (L + 1) // 2
-    need = (rows + L + 1) * (slots + 1) * 10
+    need = (L * (L + 1) // 2 + L + 1) * (slots + 1) * 10
     if need > _MAX_TABLE_BYTES:
         raise HChainError(f"the DP table for {L} stages and {slots} slots would need {format_bytes(need)}; "
                           f"use fewer slots (try slots={max(1, slots * _MAX_TABLE_BYTES // need)})")
-    sizes = _slot_sizes(chain, max_budget, slots)
-    arr = chain.arrays()
-    choice_type = np.int16 if L < 2**15 - 1 else np.int32
-    C = np.empty((rows, slots + 1), np.float64)
-    Cch = np.empty((rows, slots + 1), choice_type)
-    D = np.empty((L + 1, slots + 1), np.float64)
-    Dch = np.empty((L + 1, slots + 1), choice_type)
-    _kernels()["fill"](sizes["x"], sizes["xs"], sizes["xbar"], sizes["tr"], sizes["co"], sizes["fwd_tmp"],
-                       sizes["nograd_tmp"], sizes["bwd_tmp"], arr["fwd_time"], arr["bwd_time"], chain.backward_call, C,
-                       Cch, D, Dch, solver_threads(threads), single_level)
-    D0 = D[0] + chain.backward_call  # the backward call that starts with B(L-1)
-    del C, D  # only the choices (and the answers D[., 0]) are kept
-    return Solution(chain, max_budget, slots, peak, sizes, Cch, Dch, D0, single_level)
+    threads = solver_threads(threads)
+    least = _least_table(chain)
+    if slots == max_budget or slots < 2 * _MIN_BOTTOM_SLOTS:  # exact, or too coarse to split
+        tables = [_build_table(chain, max_budget, slots, (0, 1), threads, single_level)]
+    else:  # a whole-range table and a finer one over the bottom of the range (docs/design.md §4)
+        bottom = min(max_budget, -(-_BOTTOM_SPAN[0] * least.max_budget // _BOTTOM_SPAN[1]))
+        share = min(_BOTTOM_SHARE[1], max(_BOTTOM_SHARE[0], (_LONG / L) ** 2 / 2))
+        fine = min(int(slots * share), max(slots // 2, _BOTTOM_BYTES // ((L * (L + 1) // 2 + L + 1) * 10)))
+        tables = [_build_table(chain, max_budget, slots // 2, _ROUND_DOWN, threads, single_level),
+                  _build_table(chain, bottom, fine, _BOTTOM_ROUND, threads, single_level)]
+    if not single_level and least.max_budget <= max_budget:  # (that schedule may nest regions)
+        tables.append(least)
+    return Solution(chain, max_budget, slots, peak, tables, single_level)
 
 
 # optimal_schedule's finer table: at most this much work (slots x L^3; L = 500 at 500 slots is 6e10, ~3 s) and this
@@ -1030,9 +1274,9 @@ _REFINE_BYTES = 256 * 2**20
 
 
 def _refined_slots(chain: Chain, budget: int, slots: int) -> tuple[int, int]:
-    """(max_budget, slots) of optimal_schedule's table: a multiple of ``slots`` (so every size rounds up no more than
-    at ``slots``: the answer is never slower) as fine as the work and memory caps allow; exact (one slot per common
-    divisor of every size) when that fits."""
+    """(max_budget, slots) of optimal_schedule's tables: at least ``slots``, as fine as the work and memory caps
+    allow, over budgets up to 9/8 of ``budget`` (a schedule whose sizes round up past the budget may still fit it in
+    exact bytes); exact (one slot per common divisor of every size) when that fits."""
     L = chain.length
     z = dp_sizes(chain)
     g = 0
@@ -1041,13 +1285,13 @@ def _refined_slots(chain: Chain, budget: int, slots: int) -> tuple[int, int]:
     cap = int(min(_REFINE_WORK / L**3, _REFINE_BYTES / ((L * (L + 1) // 2 + L + 1) * 10)))
     if g > 0 and budget // g <= max(cap, slots):  # exact: sizes and the budget in whole multiples of g
         return budget // g * g, max(1, budget // g)
-    return budget, max(slots, cap // slots * slots)
+    return budget + budget // 8, max(slots, cap // slots * slots)
 
 
 def optimal_schedule(chain: Chain, budget: int | str, slots: int = 500) -> Schedule:
     """The optimal schedule for one budget (bytes or text like ``"300MiB"``), narrowing the rounding gap of a
-    whole-range table: solved for this budget alone (``max_budget = budget``) at the finest resolution that costs
-    about a second (a multiple of ``slots``; exact where every size shares a divisor that makes it affordable), and
+    whole-range table: solved for budgets up to just above this one at the finest resolution that costs about a
+    second (exact where every size shares a divisor that makes it affordable), and
     checked against every baseline that fits (DESIGN §10). ``meta["source"]``: ``"dp"`` (the table at ``slots``),
     ``"dp-refined"`` (a finer one) or ``"baseline:<family>(<setting>)"``. Raises InfeasibleBudget when none fits."""
     chain = _check_chain(chain)

@@ -1,0 +1,70 @@
+"""Answers near the memory limit (issue #43): ``Solution.schedule`` from the least budget to store-all, judged by the
+simulator against the best schedule the library finds with far finer tables and ``optimal_schedule``.
+
+- at 1.0, 1.01, 1.03, 1.1 and 1.3x the least budget, on the shipped chains and on random chains, the answer is
+  within 1% of that best (simulated time), and its simulated peak within the budget;
+- the least budget the solution reports is the exact least feasible budget, answered by a DP schedule;
+- a larger budget never gets a slower answer, over a dense grid of budgets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hchain_viz as hcv
+from hchain_viz import examples
+from hchain_viz.core import solver
+
+FACTORS = (1.0, 1.01, 1.03, 1.1, 1.3)
+
+
+def _best(chain: hcv.Chain, fine: hcv.Solution, budget: int) -> float:
+    """The fastest schedule the library finds within ``budget``: a much finer table, or optimal_schedule."""
+    refined = hcv.simulate(chain, hcv.optimal_schedule(chain, budget)).makespan
+    return min(hcv.simulate(chain, fine.schedule(budget)).makespan, refined)
+
+
+def _check_near_limit(chain: hcv.Chain, fine_slots: int) -> None:
+    least = solver.least_budget(chain)
+    sol = hcv.solve(chain)
+    fine = hcv.solve(chain, slots=fine_slots)
+    assert sol.min_budget == least  # the reported least budget is exact ...
+    assert sol.schedule(least).meta["source"] == "dp"  # ... and answered by the DP, not a fallback
+    for f in FACTORS:
+        budget = int(least * f)
+        schedule = sol.schedule(budget)
+        trace = hcv.simulate(chain, schedule)
+        assert trace.peak_memory <= budget
+        best = _best(chain, fine, budget)
+        assert trace.makespan <= best * 1.01, (f, trace.makespan / best - 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", examples.NAMES)
+def test_shipped_chains_within_one_percent_near_the_least_budget(name):
+    _check_near_limit(examples.load(name), fine_slots=4000)
+
+
+@pytest.mark.parametrize("L,seed", [(12, 1), (20, 2), (30, 3), (40, 4)])
+def test_random_chains_within_one_percent_near_the_least_budget(L, seed):
+    _check_near_limit(hcv.Chain.random(L, seed=seed), fine_slots=4000)
+
+
+@pytest.mark.parametrize("chain", [examples.load("densenet121-sublayer"), hcv.Chain.random(60, seed=5)],
+                         ids=["densenet121-sublayer", "random60"])
+def test_larger_budget_never_slower_and_always_within(chain):
+    sol = hcv.solve(chain)
+    budgets = np.unique(np.concatenate([
+        np.linspace(sol.min_budget, sol.min_budget * 1.3, 120),  # the bottom, densely
+        np.geomspace(sol.min_budget, sol.store_all_peak * 1.01, 80),
+    ]).astype(np.int64))
+    last = np.inf
+    for b in budgets.tolist():
+        trace = hcv.simulate(chain, sol.schedule(b))
+        assert trace.peak_memory <= b
+        assert trace.makespan <= last * (1 + 1e-12), b
+        assert sol.makespan(b) == pytest.approx(trace.makespan, rel=1e-9)
+        last = trace.makespan
+    with pytest.raises(hcv.InfeasibleBudget):
+        sol.schedule(sol.min_budget - 1)
