@@ -120,3 +120,16 @@ def test_after_profiling_a_line_counts_until_the_cell_ends(notebook, monkeypatch
     data, raw = rest.shown[-1]
     assert raw and data["text/plain"].startswith("after profiling, the rest of the cell: ") and label.comm is None
     assert Shell.events.callbacks["post_run_cell"] == []
+
+
+def test_the_bar_counts_the_seconds_of_a_long_stage(notebook, monkeypatch):
+    import time
+
+    monkeypatch.setattr(progress, "DELAY_S", 0.05)
+    with progress.progress_bar(3, "profiling", "stage") as bar:
+        bar.set_postfix_str("layer2.0")
+        time.sleep(1.2)  # one slow stage, no update from the loop: the timer shows the bar and counts
+        (handle,) = notebook
+        label = handle.shown[0].children[1]
+        assert label.value.startswith("0/3 layer2.0 · ") and label.value.endswith(" s")
+        assert label.value != "0/3 layer2.0 · 0 s"

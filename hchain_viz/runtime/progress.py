@@ -51,7 +51,8 @@ def progress_bar(total: int, desc: str, unit: str, enabled: bool = True) -> Any:
 
 
 class _NotebookBar:
-    """An ipywidgets bar shown after :data:`DELAY_S`, replaced in the output by a line of text when it closes."""
+    """An ipywidgets bar shown after :data:`DELAY_S`, replaced in the output by a line of text when it closes. Its
+    label counts the seconds (a timer thread): one stage can take long on a busy machine, and must not look stuck."""
 
     def __init__(self, total: int, desc: str, unit: str):
         self.total, self.desc, self.unit = total, desc, unit
@@ -60,6 +61,14 @@ class _NotebookBar:
         self._t0 = time.perf_counter()
         self._handle: Any = None
         self._widgets: Any = None
+        self._lock = threading.Lock()  # the loop's thread and the timer both draw
+        self._done = threading.Event()
+        threading.Thread(target=contextvars.copy_context().run, args=(self._tick,), name="hchain_viz progress",
+                         daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self._done.wait(0.5):
+            self._show()
 
     def __enter__(self) -> _NotebookBar:
         return self
@@ -79,22 +88,27 @@ class _NotebookBar:
         return f"{self.desc}: {self.n}/{self.total} {self.unit}s in {time.perf_counter() - self._t0:.1f} s"
 
     def _show(self) -> None:
-        if self._widgets is None:
-            if time.perf_counter() - self._t0 < DELAY_S:
+        with self._lock:
+            if self._done.is_set():
                 return
-            import ipywidgets as W
-            from IPython.display import display
+            if self._widgets is None:
+                if time.perf_counter() - self._t0 < DELAY_S:
+                    return
+                import ipywidgets as W
+                from IPython.display import display
 
-            bar = W.IntProgress(min=0, max=max(self.total, 1), description=self.desc)
-            label = W.HTML()
-            self._widgets = (W.HBox([bar, label]), bar, label)
-            self._handle = display(self._widgets[0], display_id=True)
-        box, bar, label = self._widgets
-        bar.value = self.n
-        label.value = html.escape(f"{self.n}/{self.total} {self.postfix}")
+                bar = W.IntProgress(min=0, max=max(self.total, 1), description=self.desc)
+                label = W.HTML()
+                self._widgets = (W.HBox([bar, label]), bar, label)
+                self._handle = display(self._widgets[0], display_id=True)
+            box, bar, label = self._widgets
+            bar.value = self.n
+            label.value = html.escape(f"{self.n}/{self.total} {self.postfix} · {time.perf_counter() - self._t0:.0f} s")
 
     def close(self, failed: bool = False) -> None:
         """Replace the widget by a line of text in the output (the notebook saves that), then release it."""
+        with self._lock:
+            self._done.set()
         if not failed:  # the cell goes on (solve, wrap, steps, the explorer): that must not look stuck either
             until_the_cell_ends(f"after {self.desc}, the rest of the cell")
         if self._widgets is None:

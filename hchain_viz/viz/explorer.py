@@ -753,14 +753,14 @@ class Explorer:
     def _draw_step(self) -> None:
         """Move the player's cursor: faint future ops, memory revealed up to the step, the tape at that moment; the
         player, the step slider and the label move with them (one kernel turn: the page shows them together)."""
+        self._push_views(self._step)
+        self._board.sync(("memory", "timeline", "tape"))
+        self._draw_step_label()  # the figures' message first, then these small ones right after it
         self._syncing = True
         try:
             self._step_slider.value = self._play.value = self._step
         finally:
             self._syncing = False
-        self._push_views(self._step)
-        self._board.sync(("memory", "timeline", "tape"))
-        self._draw_step_label()
 
     def _push_views(self, step: int | None) -> None:
         """Redraw the memory curve, timeline and tape of the current view after ``step`` ops (None: all, no cursor)."""
@@ -827,11 +827,10 @@ def _timing_html(chain: Chain) -> str:
     name = chain.names[worst] if chain.names[worst] else f"stage {worst}"
     repeats = chain.meta.get("repeats", "several")
     return (f"<div class='hcv-timing' style='background:#fff8e1;border-left:3px solid #f0a000;padding:2px 8px;"
-            f"white-space:normal;line-height:1.4'><b>Rough timings.</b> Each stage was timed {repeats} times and the "
-            f"times differed by ±{100 * spread:.0f}% on average (most in {html.escape(str(name))}), as when other "
-            f"programs share the processor. The memory figures are exact; the times and the choice between schedules "
-            f"of similar speed may be off. For steadier times, profile again when the machine is quieter, or with "
-            f"more repeats: <code>hcv.profile(..., repeats=10)</code>.</div>")
+            f"white-space:normal;line-height:1.4'><b>Rough timings.</b> Each stage was timed {repeats} times; the "
+            f"times differed by ±{100 * spread:.0f}% (most in {html.escape(str(name))}), as when other programs share "
+            f"the processor. Memory is exact, times may be off: profile again when the machine is quieter, or with "
+            f"<code>hcv.profile(..., repeats=10)</code>.</div>")
 
 
 _OP_WORDS = {
