@@ -32,9 +32,10 @@ LESSONS = [
     "07_transformers_inside_the_layer.ipynb", "08_a_real_densenet.ipynb", "09_measure_it.ipynb"]
 
 
-def test_the_course_has_nine_lessons_in_order_and_the_guides_three():
+def test_the_course_has_nine_lessons_in_order_and_the_guides_four():
     assert [p.name for p in COURSE] == LESSONS
-    assert [p.name for p in GUIDES] == ["explore_tradeoffs.ipynb", "export_and_train.ipynb", "will_it_fit.ipynb"]
+    assert [p.name for p in GUIDES] == ["explore_tradeoffs.ipynb", "export_and_train.ipynb", "pipeline.ipynb",
+                                        "will_it_fit.ipynb"]
     assert not list((ROOT / "notebooks").glob("*.ipynb"))  # nothing left loose beside the two folders
 
 
