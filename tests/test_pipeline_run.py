@@ -116,3 +116,42 @@ def test_a_failing_rank_does_not_hang_the_other(tmp_path):
     with pytest.raises(Exception, match="rank 1 fails before its step"):
         mp.spawn(_failing_worker, args=(WORLD, str(tmp_path / "init"), chain.to_json()), nprocs=WORLD)
     assert time.monotonic() - start < 120
+
+
+def _memory_worker(rank: int, world: int, init_file: str, out_dir: str, chain_json: str) -> None:
+    from hchain_viz.runtime.memtrack import MemoryMeter
+
+    _init(rank, world, init_file, 60)
+    try:
+        chain = hcv.Chain.from_json(chain_json)
+        pipe = Pipeline(chain, world, "1F1B")
+        least, top = pipe.least_memory(M), pipe.plan(M, 2**60).peak
+        ratios = []
+        for f in (0.0, 1.0):  # the least memory (recomputing) and store-all
+            plan = pipe.plan(M, int(least + f * (top - least)))
+            model, x, loss_fn = _model()
+            opt = torch.optim.AdamW(model.parameters())
+            run = hcv.pipeline(model, plan, _loss)
+            for _ in range(2):  # the second step: torch's first one also infers shapes
+                opt.zero_grad()
+                with MemoryMeter("cpu") as meter:
+                    run.step(x if run.is_first else None, target=loss_fn.target if run.is_last else None)
+                opt.step()
+            st = plan.stages[rank]
+            # what the meter sees: allocated above the parameters and the optimizer state
+            ratios.append(meter.peak / (st.peak - st.chain.fixed.static_per_rank))
+        torch.save(ratios, os.path.join(out_dir, f"mem{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_rank_peak_is_within_its_prediction(tmp_path):
+    model, x, loss_fn = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    chain = hcv.profile(model, x.chunk(M)[0], lambda out: _loss(out, loss_fn.target.chunk(M)[0]), optimizer=opt,
+                        repeats=1, warmup=0, progress=False)
+    mp.spawn(_memory_worker, args=(WORLD, str(tmp_path / "init"), str(tmp_path), chain.to_json()), nprocs=WORLD)
+    for rank in range(WORLD):
+        for ratio in torch.load(tmp_path / f"mem{rank}.pt"):
+            assert 0.9 <= ratio <= 1.0, (rank, ratio)

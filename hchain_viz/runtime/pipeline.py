@@ -57,7 +57,7 @@ class PipelineRun:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
         kwargs = {"target": target, "losses": losses} if self.is_last else {}
-        self.runner.step(*args, **kwargs)
+        self.runner.step(*args, return_outputs=False, **kwargs)  # the last stage would keep every output
         return losses if self.is_last else None
 
 
