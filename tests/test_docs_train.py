@@ -10,7 +10,8 @@ import pytest
 
 DOC = (Path(__file__).parent.parent / "docs" / "train.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", DOC, re.S)
-SECTIONS = ["Hugging Face Trainer", "accelerate", "PyTorch Lightning", "A plain loop", "torch.compile", "PEFT (LoRA)"]
+SECTIONS = ["Hugging Face Trainer", "accelerate", "PyTorch Lightning", "Mixed precision", "A plain loop",
+            "torch.compile", "PEFT (LoRA)"]
 
 pytestmark = pytest.mark.torch
 

@@ -85,7 +85,7 @@ from .memtrack import (
     transit_storages,
     unflatten,
 )
-from .precision import autocast_now, running
+from .precision import autocast_now, running, uncached
 from .precision import describe as describe_precision
 from .progress import progress_bar
 from .stages import sequentialize
@@ -416,7 +416,9 @@ class _StageProfile:
             new = copy_with_layout(t, copies)
             if not t.requires_grad:
                 return new
-            return new.requires_grad_() if leaves else _GradInto.apply(t, new)
+            if not leaves:
+                return _GradInto.apply(t, new)
+            return (uncached(new) if autocast_now() else new).requires_grad_()
 
         return map_tensors(self.h, one)
 

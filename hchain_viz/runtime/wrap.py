@@ -43,8 +43,8 @@ from .memtrack import (
     storage_of,
     unflatten,
 )
+from .precision import autocast_now, precision_of, runs_in, uncached, warn_other_precision
 from .precision import describe as describe_precision
-from .precision import precision_of, runs_in, warn_other_precision
 from .stages import buffer_snapshot, sequentialize
 from .transfer import Link, box_holder, data_holder, storage_key
 
@@ -239,7 +239,9 @@ class ScheduledModule(nn.Module):
             with torch.random.fork_rng(devices=cuda_devices(x)), torch.enable_grad():
                 flat, spec = flatten(x)
                 for i, stage in enumerate(self._stage_modules):  # eager: compiled stages would compile again
-                    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in flat]  # a copy: in-place
+                    leaves = [t.detach().clone() for t in flat]  # a copy: in-place
+                    leaves = [(uncached(t) if autocast_now() else t).requires_grad_(o.requires_grad)
+                              for t, o in zip(leaves, flat)]
                     feed = unflatten(spec, [_Alias.apply(t) if t.requires_grad else t for t in leaves])
                     out = stage(feed)
                     flat, spec = flatten(out)
@@ -586,7 +588,7 @@ class _Step:
 
     def _leaf(self, t: torch.Tensor, i: int, k: int) -> torch.Tensor:
         """A detached alias of input tensor k of stage i, requiring grad when eager autograd would track it."""
-        leaf = t.detach()
+        leaf = uncached(t.detach()) if self.autocast else t.detach()
         if t.requires_grad:
             need = True
         elif i == 0 or not (t.is_floating_point() or t.is_complex()):

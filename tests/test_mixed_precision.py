@@ -1,0 +1,324 @@
+"""Mixed precision as transformers are trained (docs/train.md, "Mixed precision"): a schedule applied in place or
+wrapped trains under ``torch.autocast`` bfloat16 and with bfloat16 weights exactly as the plain model does in the
+same precision (losses and gradients bitwise, dropout replayed), in Hugging Face's Trainer(bf16=True), accelerate's
+mixed_precision="bf16" with gradient accumulation, Lightning's precision="bf16-mixed" and FSDP2's
+MixedPrecisionPolicy; profiled under autocast, its predicted activation peak bounds the measured one within 10%.
+Tiny random configs on the CPU."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+from gloo import gloo_rank
+from torch import nn
+
+import hchain_viz as hcv
+from hchain_viz.errors import ProfileError
+from hchain_viz.runtime.precision import PrecisionWarning
+from hchain_viz.runtime.wrap import ScheduledModule
+
+pytestmark = pytest.mark.torch
+transformers = pytest.importorskip("transformers")
+
+SEQ, BATCH, VOCAB = 16, 4, 64
+BF16 = torch.bfloat16
+
+
+def _model(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A tiny random ``name`` in train mode (dropout on where the family has it) and a training batch for it."""
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    configs = {
+        "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **small, num_key_value_heads=2, max_position_embeddings=SEQ)),
+        "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **small, num_key_value_heads=2, max_position_embeddings=SEQ)),
+        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0)),
+        "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(
+            **small, max_position_embeddings=SEQ)),
+        "t5": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)),
+    }
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = configs[name]()
+    model.train()
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.roll(1, dims=1) if name == "t5" else ids.clone()}
+    return model, batch
+
+
+def _apply_schedule(model: nn.Module, batch: dict, **profile_args) -> nn.Module:
+    """Apply to ``model`` in place a schedule that recomputes, profiled on ``batch`` (in the precision around the
+    call, or ``autocast=``)."""
+    chain = hcv.profile(model, batch, warmup=0, repeats=1, progress=False, **profile_args)
+    sol = hcv.solve(chain)
+    schedule = sol.schedule((sol.min_budget + sol.store_all_peak) // 2)
+    assert schedule.n_recomputed > 0
+    return hcv.apply(model, schedule, chain=chain)
+
+
+def _steps(model: nn.Module, batch: dict, autocast: bool, steps: int = 2) -> tuple[list, list]:
+    """``steps`` SGD steps (under CPU autocast bfloat16 when ``autocast``); the losses and the last gradients."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            loss = (model(batch) if isinstance(model, ScheduledModule) else model(**batch)).loss
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, grads
+
+
+def _bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "bert", "t5"])
+@pytest.mark.parametrize("precision", ["autocast", "weights"])
+def test_an_applied_schedule_trains_like_the_plain_model_in_bf16(name, precision):
+    """Autocast bfloat16 over float32 weights (profiled with autocast=), or bfloat16 weights: the same losses and
+    gradients as the plain model in that precision, bitwise, dropout included; the chain names its precision."""
+    model, batch = _model(name)
+    autocast = precision == "autocast"
+    if not autocast:
+        model.to(BF16)
+    plain = copy.deepcopy(model)
+    _apply_schedule(model, batch, **({"autocast": BF16} if autocast else {}))
+    chain = vars(model)["_hcv_applied"].chain
+    assert chain.meta["precision"] == ("autocast bfloat16 (cpu) over float32 weights" if autocast
+                                       else "bfloat16, no autocast")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionWarning)  # trained in the precision profiled: no warning
+        got = _steps(model, batch, autocast)
+    want = _steps(plain, batch, autocast)
+    assert got[0][0].dtype == want[0][0].dtype and got[1][0].dtype == (torch.float32 if autocast else BF16)
+    assert _bitwise(got[0], want[0]), (got[0], want[0])
+    assert _bitwise(got[1], want[1])
+
+
+def test_a_schedule_profiled_in_float32_trains_under_autocast_and_warns_naming_both():
+    """The stages are traced again for autocast (their dtype casts are fixed when traced), so the step is the plain
+    model's, bitwise; the memory was planned for float32, which the first step says, once; hcv.wrap alike."""
+    model, batch = _model("llama")
+    plain = copy.deepcopy(model)
+    _apply_schedule(model, batch)
+    with pytest.warns(PrecisionWarning, match=r"runs in autocast bfloat16 \(cpu\) over float32 weights, but its "
+                                              r"schedule was profiled in float32, no autocast"):
+        got = _steps(model, batch, autocast=True)
+    assert _bitwise(got[0], _steps(plain, batch, autocast=True)[0])
+    hcv.remove(model)
+    chain = hcv.profile(model, batch, warmup=0, repeats=1, progress=False)
+    sol = hcv.solve(chain)
+    schedule = sol.schedule((sol.min_budget + sol.store_all_peak) // 2)
+    schedule.meta["precision"] = chain.meta["precision"]
+    wrapped = hcv.wrap(model, schedule)
+    with pytest.warns(PrecisionWarning, match="profiled in float32"):
+        got = _steps(wrapped, batch, autocast=True)
+    assert _bitwise(got[0], _steps(plain, batch, autocast=True)[0])
+
+
+def test_a_precision_the_profile_cannot_run_is_refused():
+    model, batch = _model("gpt2")
+    with pytest.raises(ProfileError, match=r"autocast=torch.float32: autocast runs in torch.bfloat16 or"):
+        hcv.profile(model, batch, autocast=torch.float32, progress=False)
+    with pytest.raises(ProfileError, match="autocast=torch.int8"):
+        hcv.checkpoint(model, batch, budget="1MiB", autocast=torch.int8, progress=False, verbose=False)
+
+
+# ---------------------------------------------------------------------------------------------- libraries
+class _Tokens(torch.utils.data.Dataset):
+    """Fixed random token sequences with an attention mask, as a tokenized dataset gives them."""
+
+    def __len__(self) -> int:
+        return 3 * BATCH
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": ids.clone()}
+
+
+def test_hf_trainer_bf16_trains_like_the_plain_model(tmp_path):
+    """Trainer(bf16=True) autocasts inside its step, after hcv.checkpoint ran: checkpoint(autocast=torch.bfloat16)
+    profiles in that precision. The loss argument the Trainer adds (num_items_in_batch) and accelerate's autocast
+    wrapper around the forward are taken; the losses are the plain model's, bitwise."""
+    runs = []
+    for applied in (True, False):
+        model, _ = _model("gpt2")
+        if applied:
+            batch = {k: torch.stack([_Tokens()[i][k] for i in range(BATCH)]) for k in _Tokens()[0]}
+            sol = hcv.solve(hcv.profile(model, batch, warmup=0, repeats=1, progress=False, autocast=BF16))
+            budget = (sol.min_budget + sol.store_all_peak) // 2
+            hcv.checkpoint(model, batch, budget, autocast=BF16, progress=False, verbose=False)
+            assert vars(model)["_hcv_applied"].schedule.n_recomputed > 0
+        losses: list[torch.Tensor] = []
+
+        def hook(module, args, kwargs, out, losses=losses):
+            state = vars(module).get("_hcv_applied")
+            if module.training and not (state is not None and state.bypass):  # not the stages being traced
+                losses.append(out.loss.detach().clone())
+
+        handle = model.register_forward_hook(hook, with_kwargs=True)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / str(applied)), max_steps=3, bf16=True,
+                                              per_device_train_batch_size=BATCH, use_cpu=True, report_to=[],
+                                              save_strategy="no")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            warnings.simplefilter("error", PrecisionWarning)
+            transformers.Trainer(model=model, args=args, train_dataset=_Tokens()).train()
+        handle.remove()
+        runs.append((losses, model))
+    (got, a), (want, b) = runs
+    assert len(got) == 3 and _bitwise(got, want) and got[0].dtype == torch.float32
+    assert _bitwise(list(a.state_dict().values()), list(b.state_dict().values()))
+
+
+def test_accelerate_bf16_with_gradient_accumulation_trains_like_the_plain_model():
+    accelerate = pytest.importorskip("accelerate")
+    runs = []
+    for applied in (True, False):
+        model, batch = _model("qwen2")
+        if applied:  # profiled on a micro-batch, as each forward gets
+            _apply_schedule(model, {k: v[:BATCH // 2] for k, v in batch.items()}, autocast=BF16)
+        accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loader = torch.utils.data.DataLoader(_Tokens(), batch_size=BATCH // 2)
+        net, opt, loader = accelerator.prepare(model, opt, loader)
+        losses = []
+        torch.manual_seed(0)
+        for step in loader:
+            with accelerator.accumulate(net):
+                loss = net(input_ids=step["input_ids"], labels=step["labels"]).loss
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.detach())
+        runs.append((losses, model))
+    (got, a), (want, b) = runs
+    assert len(got) == 6 and _bitwise(got, want)
+    assert _bitwise(list(a.state_dict().values()), list(b.state_dict().values()))
+
+
+def test_lightning_bf16_mixed_trains_like_the_plain_model():
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class LitLM(pl.LightningModule):
+        def __init__(self, model: nn.Module):
+            super().__init__()
+            self.model = model
+            self.losses: list[torch.Tensor] = []
+
+        def training_step(self, batch, batch_idx):
+            out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+            self.losses.append(out.loss.detach().clone())
+            return out.loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    runs = []
+    for applied in (True, False):
+        model, batch = _model("llama")
+        if applied:
+            _apply_schedule(model, batch, autocast=BF16)
+        lit = LitLM(model)
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, precision="bf16-mixed", logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            warnings.simplefilter("error", PrecisionWarning)
+            trainer.fit(lit, torch.utils.data.DataLoader(_Tokens(), batch_size=BATCH))
+        runs.append(lit)
+    got, want = runs
+    assert len(got.losses) == 3 and _bitwise(got.losses, want.losses)
+    assert _bitwise(list(got.model.state_dict().values()), list(want.model.state_dict().values()))
+
+
+# ---------------------------------------------------------------------------------------------- FSDP2
+def _mlp():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 32), nn.Tanh(),
+                              nn.Linear(32, 4))
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    return model, x, y
+
+
+@gloo_rank
+def _fsdp_bf16_worker(rank: int, world: int, out_dir: str, schedule_json: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    record = {}
+    for label in ("plain", "applied"):
+        model, x, y = _mlp()
+        for stage in model:
+            fully_shard(stage, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        if label == "applied":
+            hcv.apply(model, hcv.Schedule.from_json(schedule_json))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        xb, yb = x.chunk(world)[rank], y.chunk(world)[rank]
+        losses = []
+        for step in range(2):
+            torch.manual_seed(10 * rank + step)
+            out = model(xb)
+            loss = nn.functional.cross_entropy(out.float(), yb)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append((loss.detach(), out.dtype))
+        record[label] = (losses, [p.detach().to_local().clone() for p in model.parameters()])
+    torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_fsdp2_with_bf16_parameters_trains_like_the_plain_model_gloo_two_processes(tmp_path):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed missing")
+    model, x, y = _mlp()
+    chain = hcv.profile(model.to(BF16), x.chunk(2)[0].to(BF16), warmup=0, repeats=1, progress=False)
+    solution = hcv.solve(chain)
+    schedule = solution.schedule(solution.min_budget)
+    assert schedule.n_recomputed > 0
+    mp.spawn(_fsdp_bf16_worker, args=(2, str(tmp_path / "init"), str(tmp_path), schedule.to_json()), nprocs=2)
+    for rank in range(2):
+        record = torch.load(tmp_path / f"rank{rank}.pt")
+        (lp, wp), (la, wa) = record["plain"], record["applied"]
+        assert [dtype for _, dtype in la] == [BF16, BF16]  # the stages ran in the policy's bfloat16
+        assert _bitwise([v for v, _ in la], [v for v, _ in lp])
+        assert _bitwise(wa, wp)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_profiled_under_autocast_predictions_bound_measured_peaks(name):
+    """Profiled under autocast (activations in bfloat16, softmax inputs, norms and the loss in float32), each of four
+    schedules measures within [0.9, 1.0] of its predicted activation peak, measured under the same autocast."""
+    model, batch = _model(name)
+    with torch.autocast("cpu", dtype=BF16):
+        chain = hcv.profile(model, batch, warmup=0, repeats=1, progress=False)
+        sol = hcv.solve(chain)
+        lo, hi = sol.min_budget, sol.store_all_peak
+        for k in range(4):
+            schedule = sol.schedule(lo + (hi - lo) * k // 3)
+            hcv.apply(model, schedule, chain=chain)
+            ratio = hcv.measure(model, batch, repeats=1).peak_bytes / hcv.simulate(chain, schedule).peak_memory
+            hcv.remove(model)
+            print(f"{name} budget {k}/3: {schedule.n_recomputed} recomputed, measured / predicted {ratio:.3f}")
+            assert 0.9 <= ratio <= 1.0, (k, ratio)
