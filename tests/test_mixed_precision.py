@@ -106,6 +106,19 @@ def test_an_applied_schedule_trains_like_the_plain_model_in_bf16(name, precision
     assert _bitwise(got[1], want[1])
 
 
+def test_the_native_form_trains_like_the_plain_model_under_autocast():
+    """Nested torch.utils.checkpoint regions (apply(..., native=True)) under autocast bfloat16: bitwise too."""
+    model, batch = _model("bert")
+    plain = copy.deepcopy(model)
+    chain = hcv.profile(model, batch, warmup=0, repeats=1, progress=False, autocast=BF16)
+    sol = hcv.solve(chain)
+    schedule = sol.schedule((sol.min_budget + sol.store_all_peak) // 2)
+    assert schedule.n_recomputed > 0
+    hcv.apply(model, schedule, chain=chain, native=True)
+    got, want = _steps(model, batch, autocast=True), _steps(plain, batch, autocast=True)
+    assert _bitwise(got[0], want[0]) and _bitwise(got[1], want[1])
+
+
 def test_a_schedule_profiled_in_float32_trains_under_autocast_and_warns_naming_both():
     """The stages are traced again for autocast (their dtype casts are fixed when traced), so the step is the plain
     model's, bitwise; the memory was planned for float32, which the first step says, once; hcv.wrap alike."""
