@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import re
 import statistics
+import time
 import warnings
-from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -194,7 +195,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     signatures: list[Any] = []  # per stage, what makes two stages the same computation (see _signature)
     sizes = {j: nbytes(t) for j, t in enumerate(tensors(sample_input))}
     profiled: list[_StageProfile] = []  # each keeps its input x_i to the end, for _relayout
-    with preserved_state(modules + [m for _, m in stages], dev), bar:
+    with preserved_state(modules + [m for _, m in stages], dev), bar, _threads_for_idle_cores(dev) as threads:
         h = _leaves(sample_input)
         for i, ((name, module), stage) in enumerate(zip(stages, runners)):
             bar.set_postfix_str(name, refresh=False)
@@ -245,6 +246,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         "torch": torch.__version__,
         "warmup": warmup,
         "repeats": repeats,
+        "threads": threads,  # torch's CPU threads while profiling (None: not set here)
         # per stage, half the range of the repeats' times over their median: the time is median ± spread
         "time_spread": {"fwd": fwd_spread, "bwd": bwd_spread},
         "timer": "cuda events" if dev.type == "cuda" else "perf_counter",
@@ -291,7 +293,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
                   consumed_shared=[n for n, j in enumerate(shared_ids) if j in eaten],
                   transit=transit, consumed=consumed, delta=delta, nograd_tmp=ntmp,
                   delta_through=handed, tied=tied, copy_spread=copy_spread, backward_call=call)
-    _warn_if_noisy(chain)
+    _warn_if_noisy(chain, bar)
     return chain
 
 
@@ -304,9 +306,50 @@ BACKWARD_SLACK = 4096
 NOISY_SPREAD = 0.10
 
 
-def _warn_if_noisy(chain: Chain) -> None:
+@contextmanager
+def _threads_for_idle_cores(dev: torch.device) -> Iterator[int | None]:
+    """On CPU, profile with no more torch threads than there are idle cores (at least one), then restore torch's
+    setting; yields the number used (None elsewhere, or where the load cannot be read).
+
+    Why: a thread on a core that another program keeps busy holds up every parallel op of the others, so each op
+    waits for the busy core and the times swing between repeats (docs/design.md §10)."""
+    before = torch.get_num_threads()
+    idle = _idle_cores() if dev.type == "cpu" and before > 1 else None
+    if idle is None:
+        yield None
+        return
+    n = max(1, min(before, int(idle + 0.5)))
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)
+
+
+def _idle_cores(sample_s: float = 0.1) -> float | None:
+    """How many of the machine's cores were idle over the next ``sample_s`` seconds (Linux's /proc/stat); None where
+    it cannot be read."""
+    def read() -> tuple[int, int, int]:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+        fields = [int(v) for v in lines[0].split()[1:]]
+        cores = sum(1 for line in lines if re.match(r"cpu\d", line))
+        return sum(fields[:8]), fields[3] + fields[4], cores  # all but guest time; idle + iowait
+
+    try:
+        total0, idle0, cores = read()
+        time.sleep(sample_s)
+        total1, idle1, _ = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    return cores * (idle1 - idle0) / (total1 - total0) if total1 > total0 else None
+
+
+def _warn_if_noisy(chain: Chain, bar: Any = None) -> None:
     """Warn in one line, naming the stages that varied most, when the times that sharing a median over identical
-    copies does not steady (:attr:`Chain.untied_spread`) varied by more than NOISY_SPREAD across repeats."""
+    copies does not steady (:attr:`Chain.untied_spread`) varied by more than NOISY_SPREAD across repeats. In a
+    notebook it is a few words on the line the progress bar left, not a warning block: the explorer says it in full,
+    with what to do."""
     spread = chain.untied_spread
     if spread is None or spread <= NOISY_SPREAD:
         return
@@ -315,8 +358,12 @@ def _warn_if_noisy(chain: Chain) -> None:
     worst = sorted(((max(f, b), chain.fwd_time[i] * f + chain.bwd_time[i] * b, chain.names[i])
                     for i, (f, b) in enumerate(zip(s["fwd"], s["bwd"])) if i not in tied), key=lambda t: -t[1])
     named = ", ".join(f"{name} ±{100 * sp:.0f}%" for sp, _, name in worst[:3] if sp > NOISY_SPREAD)
+    if hasattr(bar, "note"):  # a notebook's progress line
+        bar.note(f"timings rough: ±{100 * spread:.0f}% between repeats (a busy machine?)")
+        return
     warnings.warn(f"stage times varied by ±{100 * spread:.0f}% across the {chain.meta.get('repeats')} repeats "
-                  f"({named}): a busy machine? profile again, or with more repeats", TimingWarning, stacklevel=3)
+                  f"({named}); times may be off: profile again when the machine is quieter, or with more repeats",
+                  TimingWarning, stacklevel=3)
 
 
 def _signature(module: nn.Module, h: Any, tag: str) -> Any:

@@ -140,8 +140,6 @@ _CSS = """
              min-width: 0; box-sizing: border-box; }
 .hcv-board .hcv-panel { min-width: 0; overflow: hidden; }
 .hcv-board .hcv-panel.hcv-wide, .hcv-board.hcv-narrow .hcv-panel { grid-column: 1 / -1; }
-/* a label kept to one line (widgets around it add this class): cut with an ellipsis, never wrapped */
-.hcv-oneline, .hcv-oneline * { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 /* the player's status line: two lines at most, always two lines high, so the figures below never move */
 .hcv-steptext { display: -webkit-box; -webkit-box-orient: vertical; -webkit-line-clamp: 2; line-clamp: 2;
                 overflow: hidden; white-space: normal; line-height: 1.4em; height: 2.8em; }

@@ -94,13 +94,14 @@ class App:
         return self.settle()
 
     def shot(self, path=None) -> bytes:
-        """A screenshot from the explorer's header to the bottom of the timeline (the tape below is left out)."""
+        """A screenshot from the explorer's header to the bottom of the frontier and memory row under the timeline
+        (the tape below is left out)."""
         clip = self.page.evaluate("""() => {
           const root = Array.from(document.querySelectorAll('.widget-vbox')).find(
               v => v.innerText.trim().startsWith('hchain_viz explorer'));
-          const tl = Array.from(document.querySelectorAll('.js-plotly-plot')).find(
-              p => String((p.layout.title || {}).text || '').startsWith('Timeline'));
-          const a = root.getBoundingClientRect(), b = tl.getBoundingClientRect();
+          const mem = Array.from(document.querySelectorAll('.js-plotly-plot')).find(
+              p => String((p.layout.title || {}).text || '').startsWith('Memory'));
+          const a = root.getBoundingClientRect(), b = mem.getBoundingClientRect();
           // +40 px: the step label above the figures wraps to one or two lines while playing, which can move the
           // timeline by a line between this measure and the capture
           return {x: a.x + scrollX, y: a.y + scrollY, width: a.width, height: b.bottom - a.y + 40};
@@ -241,7 +242,7 @@ def test_play_moves_the_cursor(app, app_solution, assets_dir):
                                       f"((s.cursor[0] > prev && s.step >= min_step) || {ended})"),
             arg=[positions[-1] if positions else -1.0, k * n_ops // 7], timeout=WAIT_MS)
         st = app.state()
-        assert st["cursor"][1] and re.match(rf"(Op \d+ of {n_ops}: |The whole step)", st["step_label"]), st
+        assert st["cursor"][1] and re.match(rf"(Op \d+ of {n_ops}, |The whole step)", st["step_label"]), st
         if positions and st["cursor"][0] <= positions[-1]:
             break  # the replay ended before this sample
         positions.append(st["cursor"][0])
