@@ -582,7 +582,7 @@ def test_resolution_never_exceeds_budget_and_converges():
     fine = hcv.solve(chain, slots=4000)
     for slots in (20, 100, 500):
         coarse = hcv.solve(chain, slots=slots)
-        assert coarse.unit == pytest.approx(coarse.max_budget / (slots // 2))  # half the slots span the whole range
+        assert coarse.unit <= coarse.max_budget / (slots // 2) * (1 + 1e-12)  # at least half span the whole range
         for b in np.linspace(coarse.min_budget, coarse.store_all_peak, 25).astype(int):
             assert simulate(chain, coarse.schedule(int(b))).peak_memory <= b
             if slots == 500:

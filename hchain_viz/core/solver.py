@@ -62,10 +62,11 @@ _TIE_RTOL = 1e-12
 # (far above the tie rule's slack, far below any real difference: see _useful_end).
 _PRUNE_RTOL = 1e-9
 
-# The two tables of solve: the whole range with half of ``slots``, and the bottom, up to _BOTTOM_SPAN (3/2) of the
-# least budget (the whole range when narrower), finest where the table is cheap: ``slots`` times (_LONG / L)^2 / 2,
-# within _BOTTOM_SHARE (a fifth to four times ``slots``) and at most _BOTTOM_BYTES while building (or half of
-# ``slots``). The bottom's rows do more work per slot; at L = 500 the two build in the time of one table of ``slots``.
+# The two tables of solve: the whole range, and its bottom up to _BOTTOM_SPAN (3/2) of the least budget (the whole
+# range when narrower). Each is finer where a table is cheap: c = (_LONG / L)^2 is how much finer a table of L stages
+# can be in the time of one at _LONG stages. The whole range gets ``slots / 2`` times c (at least 1), the bottom
+# ``slots`` times c / 2 (at least _BOTTOM_SHARE[0]: its rows do more work per slot); both at most _BOTTOM_SHARE[1]
+# times that and within _BOTTOM_BYTES while building. So L = 500 builds in the time of one table of ``slots``.
 # Below _MIN_BOTTOM_SLOTS slots for each, one table serves.
 _BOTTOM_SPAN = (3, 2)
 _BOTTOM_SHARE = (0.2, 4.0)
@@ -1219,9 +1220,9 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
 
     ``max_budget``: bytes (int) or text like ``"300MiB"``; default the store-all peak, above which nothing gets
     faster. ``slots``: the memory resolution (capped at ``max_budget``, which makes integer sizes exact): half of it
-    spans the whole range, and a second table, finer on shorter chains, the bottom up to 1.5x the least budget
-    (docs/design.md §4). Time O(slots·L³), memory about ``slots·L²·5`` bytes while building (only the int16 choices
-    are kept).
+    spans the whole range, and a second table the bottom up to 1.5x the least budget; both finer on chains shorter
+    than 300 stages, where a table is cheap (docs/design.md §4). Time O(slots·L³), memory about ``slots·L²·5``
+    bytes while building (only the int16 choices are kept).
     ``threads``: threads of the table fill (default: the free cores, see :func:`solver_threads`); the table does not
     depend on it.
 
@@ -1258,9 +1259,11 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
         tables = [_build_table(chain, max_budget, slots, (0, 1), threads, single_level)]
     else:  # a whole-range table and a finer one over the bottom of the range (docs/design.md §4)
         bottom = min(max_budget, -(-_BOTTOM_SPAN[0] * least.max_budget // _BOTTOM_SPAN[1]))
-        share = min(_BOTTOM_SHARE[1], max(_BOTTOM_SHARE[0], (_LONG / L) ** 2 / 2))
-        fine = min(int(slots * share), max(slots // 2, _BOTTOM_BYTES // ((L * (L + 1) // 2 + L + 1) * 10)))
-        tables = [_build_table(chain, max_budget, slots // 2, _ROUND_DOWN, threads, single_level),
+        cheap = (_LONG / L) ** 2  # how much more a table of this chain could take in the time of one at L = _LONG
+        most = max(slots // 2, _BOTTOM_BYTES // ((L * (L + 1) // 2 + L + 1) * 10))  # slots within _BOTTOM_BYTES
+        whole = min(int(slots / 2 * min(_BOTTOM_SHARE[1], max(1.0, cheap))), most)
+        fine = min(int(slots * min(_BOTTOM_SHARE[1], max(_BOTTOM_SHARE[0], cheap / 2))), most)
+        tables = [_build_table(chain, max_budget, whole, _ROUND_DOWN, threads, single_level),
                   _build_table(chain, bottom, fine, _BOTTOM_ROUND, threads, single_level)]
     if not single_level and least.max_budget <= max_budget:  # (that schedule may nest regions)
         tables.append(least)
