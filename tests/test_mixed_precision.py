@@ -140,6 +140,25 @@ def test_a_schedule_profiled_in_float32_trains_under_autocast_and_warns_naming_b
     assert _bitwise(got[0], _steps(plain, batch, autocast=True)[0])
 
 
+def test_stages_traced_in_one_precision_refuse_another_and_are_cached_per_precision():
+    """A torch.export stage's dtype casts are those it was traced in: run in another precision it says so, never
+    the cryptic dtype assertion of its graph; the extraction cache answers per precision."""
+    from hchain_viz.errors import NotSequentialError
+    from hchain_viz.runtime.graph import cached_stages, extract_stages
+
+    model, batch = _model("qwen2")
+    stages = extract_stages(model, batch)
+    assert stages[0][1].method == "export"
+    with torch.autocast("cpu", dtype=BF16):
+        assert cached_stages(model) is None
+        with pytest.raises(NotSequentialError, match=r"traced with torch.export in float32, no autocast, .* now runs "
+                                                     r"in autocast bfloat16 \(cpu\) over float32 weights"):
+            stages[0][1](batch)
+        again = extract_stages(model, batch)
+        assert cached_stages(model) is again
+    assert cached_stages(model) is stages
+
+
 def test_a_precision_the_profile_cannot_run_is_refused():
     model, batch = _model("gpt2")
     with pytest.raises(ProfileError, match=r"autocast=torch.float32: autocast runs in torch.bfloat16 or"):

@@ -177,12 +177,7 @@ class ScheduledModule(nn.Module):
 
     def _stages_in_precision(self, x: Any) -> None:
         """The stages (traced by torch.export in another precision) traced again in the one running now: the same
-        names, at the granularity that gives them; warns when the schedule was profiled in another."""
-        precision = precision_of(self.model)
-        profiled, now = self.schedule.meta.get("precision"), describe_precision(precision)
-        if profiled is not None and profiled != now and now not in self._warned_precisions:
-            self._warned_precisions.add(now)
-            warn_other_precision(now, profiled, stacklevel=5)
+        names, at the granularity that gives them."""
         names = [n for n, _ in self.stages]
         for granularity in (None, "sublayer", "finest"):
             stages = sequentialize(self.model, x, granularity=granularity)
@@ -191,7 +186,8 @@ class ScheduledModule(nn.Module):
                 return
         raise NotSequentialError(
             f"the stages of this {type(self.model).__name__} were traced in another precision and come out "
-            f"differently in {now}; wrap the model again inside the precision it trains in")
+            f"differently in {describe_precision(precision_of(self.model))}; wrap the model again inside the "
+            f"precision it trains in")
 
     def _plain(self, x: Any) -> Any:
         """The plain model on ``x``, called as its stages were found: a Sequential takes ``x`` itself, any other model
@@ -210,7 +206,17 @@ class ScheduledModule(nn.Module):
         check_not_compiled()
         if not (self.training and torch.is_grad_enabled()):
             return self._plain(x)
+        self._check_precision()
         return self._train_step(x)
+
+    def _check_precision(self) -> None:
+        """Warn, once per precision, at a step run in another precision than the schedule's profiled one (its
+        ``meta["precision"]``, set by ``hcv.checkpoint``; hcv.apply also reads the chain's)."""
+        profiled = self.schedule.meta.get("precision")
+        now = describe_precision(precision_of(self.model)) if profiled is not None else None
+        if now is not None and now != profiled and now not in self._warned_precisions:
+            self._warned_precisions.add(now)
+            warn_other_precision(now, profiled, stacklevel=4)
 
     def _train_step(self, x: Any) -> Any:
         """One training forward by the schedule on x_0 = ``x`` (its backward runs the ops after ``Loss``). Also the
