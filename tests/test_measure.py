@@ -117,3 +117,25 @@ def test_solving_leaves_torch_thread_count_alone():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_dict_batch_is_passed_as_keywords_where_forward_takes_them():
+    """measure(model, batch) calls model(**batch) as profile and checkpoint do, with the loss from output.loss; a
+    module of one argument (hcv.wrap's, a hand-made adapter) still gets the dict itself, and both measure alike."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64,
+                                                                 n_positions=16))
+    ids = torch.randint(0, 64, (2, 16))
+    batch = {"input_ids": ids, "labels": ids}
+
+    class Adapter(nn.Module):
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, b: dict) -> object:
+            return self.inner(**b)
+
+    direct, adapted = measure(model, batch, repeats=1), measure(Adapter(model), batch, repeats=1)
+    assert direct.peak_bytes == adapted.peak_bytes > direct.input_bytes
