@@ -65,12 +65,24 @@ def test_sync_sends_only_changed_figures_and_clicks_reach_their_callbacks():
     board.close()
 
 
-def test_step_text_holds_one_line_per_step_for_the_page():
-    from hchain_viz.viz.board import _TEXT_ESM, StepText
+def test_the_caption_and_the_figures_travel_in_one_message():
+    """The status line of the player's step is the board's caption: a step change and the figures it goes with are
+    one message, so the page never shows one op's figures under another op's line (issue 43)."""
+    import plotly.graph_objects as go
 
-    t = StepText(texts=["before", "after op 1"], step=1)
-    assert t.trait_metadata("texts", "sync") and t.trait_metadata("step", "sync")  # the page reads both
-    assert "texts[k]" in _TEXT_ESM and 'model.on("change:step"' in _TEXT_ESM
-    # the page-wide PageUp/PageDown handler doubles only real key presses on an explorer's budget handle
-    assert ".hcv-budget .noUi-handle" in _TEXT_ESM and "ev.isTrusted" in _TEXT_ESM
-    t.close()
+    from hchain_viz.viz.board import _ESM, FigureBoard
+
+    b = FigureBoard({"a": go.Figure(go.Scatter(x=[0], y=[0]))}, texts=["before", "after op 1"], step=0)
+    assert b.trait_metadata("texts", "sync") and b.trait_metadata("step", "sync")  # the page reads both
+    assert "texts[k]" in _ESM and 'model.on("change:step"' in _ESM
+    sent = []
+    b.comm.send = lambda data=None, buffers=None, **kw: sent.append(data)
+    b.figures["a"].data[0].x = [1]
+    b.sync(step=1)
+    (msg,) = sent
+    assert set(msg["state"]) == {"_figure_json", "step"} and msg["state"]["step"] == 1
+    # the page-wide keys: PageUp/PageDown doubled only for real presses on the budget handle; Home/End set the ends
+    # of the range as it is now on either slider
+    assert ".hcv-budget .noUi-handle" in _ESM and ".hcv-step .noUi-handle" in _ESM and "ev.isTrusted" in _ESM
+    assert "slider.options.range" in _ESM
+    b.close()

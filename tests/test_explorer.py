@@ -105,7 +105,7 @@ def test_the_player_sits_right_above_the_timeline(ex):
     """Play animates the timeline first: the play row, the status line and then the board with the timeline on top."""
     kids = ex.widget.children
     k = kids.index(ex._board)
-    assert kids[k - 1] is ex._step_label and ex._play in kids[k - 2].children
+    assert ex._play in kids[k - 1].children and ex._board.texts  # the board's caption is the status line
     assert ex._board.rows[0] == ["timeline"]
 
 
@@ -225,7 +225,7 @@ def test_step_moves_the_cursor_and_reveals_memory(ex, solution):
         faint = sum(int(np.sum(np.asarray(tr.marker.opacity) < 1)) for tr in figs["timeline"].data)
         assert faint == n - k
         assert ex._step_slider.value == k
-    label = ex._step_label
+    label = ex._board  # its caption is the status line
     assert label.step == n and len(label.texts) == n + 1 and label.texts[n].startswith("The whole step:")
     ex._step_slider.value = 3  # dragging the step slider: the player and the label follow
     assert ex.step == 3 and label.step == 3 and ex._play.value == 3
@@ -240,7 +240,7 @@ def test_play_moves_the_figures_the_slider_and_the_label_together(ex, solution):
     for k in (1, 2, 3, 7):
         ex._play.value = k  # a tick of Play in the page
         t = ex.trace.events[k - 1].end
-        assert ex.step == k and ex._step_slider.value == k and ex._step_label.step == k
+        assert ex.step == k and ex._step_slider.value == k and ex._board.step == k
         for name in ("timeline", "memory", "tape"):
             assert ex.figures[name].layout.shapes[0].x0 == pytest.approx(t), name
             assert json.loads(ex._board._figure_json[name])["layout"]["shapes"][0]["x0"] == pytest.approx(t)
@@ -495,7 +495,7 @@ def test_explorer_shows_an_offload_solution():
 
 def test_the_status_line_speaks_plain_words_from_the_first_op(ex, solution):
     ex.budget = low_budget(solution)
-    texts, ops = ex._step_label.texts, ex.schedule.ops
+    texts, ops = ex._board.texts, ex.schedule.ops
     assert texts[0].startswith("Before the first op: only the input x_0 is in memory")
     assert texts[1].startswith("Op 1 of ") and "in memory after it" in texts[1]
     # the figures come first, so that a narrow output area wraps the words, never the numbers

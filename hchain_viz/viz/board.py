@@ -41,6 +41,28 @@ _NARROW_PX = 720  # below this the paired figures stack
 _ESM = r"""
 const KEY = "__hchain_viz_plotly__";  // one plotly.js per page, shared by every board
 
+// PageUp / PageDown on an explorer's budget slider move it 10% of its range: ipywidgets' slider (noUiSlider) moves
+// 5 steps of 1% per page key, so each real page key is sent once more.
+// Home / End on an explorer's sliders go to the range's ends as it is now: noUiSlider's own keys keep the range the
+// slider was made with (updateOptions does not renew it), so End stopped short once the op count had grown.
+if (!globalThis.__hchain_viz_page_keys__) {
+  globalThis.__hchain_viz_page_keys__ = true;
+  document.addEventListener("keydown", ev => {
+    if (!ev.isTrusted || !ev.target || !ev.target.closest) return;
+    const handle = ev.target.closest(".hcv-budget .noUi-handle, .hcv-step .noUi-handle");
+    if (!handle) return;
+    if ((ev.key === "PageUp" || ev.key === "PageDown") && handle.closest(".hcv-budget")) {
+      handle.dispatchEvent(new KeyboardEvent("keydown", {key: ev.key, bubbles: true, cancelable: true}));
+    } else if (ev.key === "Home" || ev.key === "End") {
+      const slider = handle.closest(".noUi-target").noUiSlider, range = slider.options.range;
+      ev.preventDefault();
+      ev.stopPropagation();
+      slider.set(ev.key === "End" ? range.max : range.min);
+    }
+  }, true);
+}
+
+
 function plotly(model) {
   if (!globalThis[KEY]) {
     globalThis[KEY] = new Promise((resolve, reject) => {
@@ -62,8 +84,18 @@ function render({ model, el }) {
   let Plotly = null, alive = true;
   const config = {displaylogo: false, responsive: false, modeBarButtonsToRemove: ["lasso2d", "select2d"]};
 
+  // the caption (the explorer's status line for the player's step) spans the grid above the figures; it changes in
+  // the same message as the figures, so that the two always show the same op
+  const caption = document.createElement("div");
+  caption.className = "hcv-steptext";
+  function showCaption() {
+    const texts = model.get("texts"), k = Math.max(0, Math.min(model.get("step"), texts.length - 1));
+    caption.innerHTML = texts.length ? texts[k] : "";
+    caption.style.display = texts.length ? "" : "none";
+  }
+
   function layoutGrid() {
-    el.replaceChildren();
+    el.replaceChildren(caption);
     for (const row of model.get("rows")) {
       for (const name of row) {
         let p = panels[name];
@@ -121,6 +153,9 @@ function render({ model, el }) {
   const observer = new ResizeObserver(() => { if (!pending) pending = requestAnimationFrame(resize); });
 
   layoutGrid();
+  showCaption();
+  model.on("change:step", showCaption);
+  model.on("change:texts", showCaption);
   model.on("change:rows", () => { layoutGrid(); lastWidth = -1; resize(); });
   model.on("change:_figure_json", draw);
   plotly(model).then(P => { Plotly = P; observer.observe(el); resize(); },
@@ -141,6 +176,7 @@ _CSS = """
 .hcv-board .hcv-panel { min-width: 0; overflow: hidden; }
 .hcv-board .hcv-panel.hcv-wide, .hcv-board.hcv-narrow .hcv-panel { grid-column: 1 / -1; }
 /* the player's status line: two lines at most, always two lines high, so the figures below never move */
+.hcv-board .hcv-steptext { grid-column: 1 / -1; }
 .hcv-steptext { display: -webkit-box; -webkit-box-orient: vertical; -webkit-line-clamp: 2; line-clamp: 2;
                 overflow: hidden; white-space: normal; line-height: 1.4em; height: 2.8em; }
 """
@@ -168,6 +204,10 @@ class FigureBoard(anywidget.AnyWidget):
     rows = traitlets.List(traitlets.List(traitlets.Unicode())).tag(sync=True)
     # name -> the figure's plotly JSON, as last sent by sync()
     _figure_json = traitlets.Dict(key_trait=traitlets.Unicode(), value_trait=traitlets.Unicode()).tag(sync=True)
+    # a caption above the figures: texts[step] (HTML; escape user text), none when texts is empty. The texts travel
+    # once; a step change is one number, sent with the figures it goes with (see sync)
+    texts = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    step = traitlets.Int(0).tag(sync=True)
 
     def __init__(self, figures: dict[str, go.Figure], rows: Sequence[Sequence[str]] | None = None, **kwargs: Any):
         names = [n for row in rows for n in row] if rows is not None else list(figures)
@@ -180,13 +220,17 @@ class FigureBoard(anywidget.AnyWidget):
                          _figure_json={n: _json(f) for n, f in self.figures.items()}, **kwargs)
         self.on_msg(self._on_msg)
 
-    def sync(self, names: Sequence[str] | None = None) -> None:
-        """Send the figures ``names`` (default: all) whose JSON changed since the last sync; one message."""
+    def sync(self, names: Sequence[str] | None = None, step: int | None = None) -> None:
+        """Send the figures ``names`` (default: all) whose JSON changed since the last sync, and the caption's
+        ``step`` when given, in one message: the page shows them together."""
         new = dict(self._figure_json)
         for n in self.figures if names is None else names:
             new[n] = _json(self.figures[n])
-        if new != self._figure_json:
-            self._figure_json = new
+        with self.hold_sync():
+            if new != self._figure_json:
+                self._figure_json = new
+            if step is not None:
+                self.step = step
 
     def on_click(self, name: str, callback: Callable[[dict], None]) -> None:
         """Call ``callback({"trace": index, "x": x, "y": y})`` when a point of figure ``name`` is clicked."""
@@ -229,52 +273,3 @@ def _encode(v: Any) -> Any:
     if isinstance(v, np.generic):
         return v.item()
     raise TypeError(f"cannot encode {type(v).__name__}")
-
-
-_TEXT_ESM = r"""
-// PageUp / PageDown on an explorer's budget slider move it 10% of its range: ipywidgets' slider (noUiSlider) moves
-// 5 steps of 1% per page key, so each real page key is sent once more. Registered once per page.
-// Home / End on an explorer's sliders go to the range's ends as it is now: noUiSlider's own keys keep the range the
-// slider was made with (updateOptions does not renew it), so End stopped short once the op count had grown.
-if (!globalThis.__hchain_viz_page_keys__) {
-  globalThis.__hchain_viz_page_keys__ = true;
-  document.addEventListener("keydown", ev => {
-    if (!ev.isTrusted || !ev.target || !ev.target.closest) return;
-    const handle = ev.target.closest(".hcv-budget .noUi-handle, .hcv-step .noUi-handle");
-    if (!handle) return;
-    if ((ev.key === "PageUp" || ev.key === "PageDown") && handle.closest(".hcv-budget")) {
-      handle.dispatchEvent(new KeyboardEvent("keydown", {key: ev.key, bubbles: true, cancelable: true}));
-    } else if (ev.key === "Home" || ev.key === "End") {
-      const slider = handle.closest(".noUi-target").noUiSlider, range = slider.options.range;
-      ev.preventDefault();
-      ev.stopPropagation();
-      slider.set(ev.key === "End" ? range.max : range.min);
-    }
-  }, true);
-}
-
-function render({ model, el }) {
-  el.classList.add("hcv-steptext");
-  const show = () => {
-    const texts = model.get("texts"), k = Math.max(0, Math.min(model.get("step"), texts.length - 1));
-    el.innerHTML = texts.length ? texts[k] : "";
-  };
-  model.on("change:step", show);
-  model.on("change:texts", show);
-  show();
-}
-
-export default { render };
-"""
-
-
-class StepText(anywidget.AnyWidget):
-    """A status line (two lines high) per step, shown in the browser for the current ``step``: the texts travel once
-    per schedule, a step change is one number. ``texts`` are HTML (escape user text). Its module also makes
-    PageUp/PageDown move an explorer's budget slider 10% of its range, and Home/End reach the ends of an explorer's
-    sliders after their range changed."""
-
-    _esm = _TEXT_ESM
-    _css = _CSS
-    texts = traitlets.List(traitlets.Unicode()).tag(sync=True)  # texts[k]: what to say after k ops
-    step = traitlets.Int(0).tag(sync=True)

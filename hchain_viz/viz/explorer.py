@@ -52,7 +52,7 @@ try:
     import plotly.graph_objects as go
     from plotly.basedatatypes import Undefined as _UNDEFINED  # "leave this property as it is" in plotly_update
 
-    from .board import FigureBoard, StepText
+    from .board import FigureBoard
 except ImportError as e:  # pragma: no cover - all three are hard dependencies of the package
     raise DependencyError("the explorer needs ipywidgets, plotly and anywidget: "
                           "`pip install ipywidgets plotly anywidget`") from e
@@ -63,7 +63,7 @@ OPTIMAL = "optimal"
 # What a change of budget, strategy or step may alter; everything else (colours, hover templates, modes) is set once
 # when the figures are built. Fewer keys per update is most of what keeps a budget change fast.
 _DYNAMIC_DATA = frozenset(("x", "y", "base", "customdata", "text", "marker.opacity", "name", "showlegend"))
-# Keyboard: the budget slider's arrow keys move it 1% of its range (PageUp/PageDown 10%: see board.StepText).
+# Keyboard: the budget slider's arrow keys move it 1% of its range (PageUp/PageDown 10%: see board.py's page keys).
 _KEY_STEPS = 100
 # What x, x̄ and δ are, under the controls (hover a term for more).
 _GLOSSARY = (
@@ -490,10 +490,6 @@ class Explorer:
         self._step_slider = W.IntSlider(value=self._step, min=0, max=self._view.n, description="step",
                                         continuous_update=True, layout=grow)
         self._step_slider.add_class("hcv-step")
-        # Two lines high whatever it says (a label that changed height would make the figures jump during Play); its
-        # text for every step is in the page. The kernel moves it with the figures: the player, the step slider, the
-        # label and the figures show the same op (see _draw_step).
-        self._step_label = StepText(layout=W.Layout(height="2.9em", overflow="hidden", min_width="0"))
         self._stats = W.HTML()
         self._path = W.Text(value="schedule.json", description="file", layout=W.Layout(width="300px"))
         self._save = W.Button(description="Save schedule", icon="download")
@@ -533,8 +529,7 @@ class Explorer:
             *device_row,
             self._stats,
             W.HBox([self._play, self._step_slider], layout=W.Layout(**row)),
-            self._step_label,
-            self._board,
+            self._board,  # its caption, right under the player, is the status line of the player's step
             W.HBox([self._path, self._save, self._save_label], layout=W.Layout(**row)),
         ], layout=W.Layout(width="100%", min_width="0", max_width=None if width is None else f"{width}px"))
         self._layout.add_class("hcv-explorer")
@@ -747,15 +742,17 @@ class Explorer:
                 marks = [{**t, "x": [v + self._offset if v is not None else v for v in t["x"]]} if "x" in t else t
                          for t in marks]
             _push(self._figs["frontier"], marks, first=self._n_frontier_curves)
-        self._board.sync()
+        with self._board.hold_sync():  # the figures and their status lines in one message
+            self._draw_step_label()
+            self._board.sync()
         self._draw_stats()
 
     def _draw_step(self) -> None:
         """Move the player's cursor: faint future ops, memory revealed up to the step, the tape at that moment; the
         player, the step slider and the label move with them (one kernel turn: the page shows them together)."""
         self._push_views(self._step)
-        self._board.sync(("memory", "timeline", "tape"))
-        self._draw_step_label()  # the figures' message first, then these small ones right after it
+        # the figures and the status line in one message (the board's caption); the slider and player right after
+        self._board.sync(("memory", "timeline", "tape"), step=self._step)
         self._syncing = True
         try:
             self._step_slider.value = self._play.value = self._step
@@ -770,12 +767,14 @@ class Explorer:
         _push(self._figs["tape"], F.tape_traces(v, step, u), F.tape_layout(v, step))
 
     def _draw_step_label(self) -> None:
-        """Every step's status line, sent to the page once per schedule; the page shows the one at the player's step."""
+        """Every step's status line, sent to the page once per schedule (the board's caption shows the one at the
+        player's step, two lines high whatever it says, so the figures below never move)."""
         v = self._view
         texts = [_step_text(v, k) for k in range(v.n + 1)]
-        if self._step_label.texts != texts:
-            self._step_label.texts = texts
-        self._step_label.step = self._step
+        with self._board.hold_sync():
+            if self._board.texts != texts:
+                self._board.texts = texts
+            self._board.step = self._step
 
     def _draw_stats(self) -> None:
         rows = [(self._strategy, self._view)]
@@ -807,7 +806,6 @@ class Explorer:
             "<th>overhead vs store-all</th><th>peak</th>" + ("<th>whole-step peak</th>" if whole else "")
             + "<th>recomputed forwards</th><th>ops</th></tr>"
             f"{cells}</table><div class='hcv-note'>{html.escape(note) or '&nbsp;'}</div>")
-        self._draw_step_label()
 
 
 # Repeats of a stage that varied more than this (step-time weighted) make the profiler warn and the explorer say so:

@@ -549,7 +549,7 @@ def _beyond_axes_trace(data: FrontierData) -> dict:
     drawn as triangles on the edge they are beyond, in their strategy's colour; the hover text gives the real values.
     Always one trace (maybe empty), so that the explorer's trace indices stay put."""
     (x_lo, x_hi), (y_lo, y_hi) = data.x_range, data.y_range
-    gap = 0.03 * (x_hi - x_lo)  # two triangles closer than this along an edge are set apart, not drawn as one
+    gap = 0.045 * (x_hi - x_lo)  # two triangles closer than this along an edge are set apart, not drawn as one
     xs, ys, symbols, colors, text = [], [], [], [], []
     for j, (name, (b, t)) in enumerate(data.baselines.items()):
         for bb, tt in zip(b.tolist(), t.tolist()):
