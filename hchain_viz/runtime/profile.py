@@ -281,7 +281,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     fixed = None
     if optimizer is not None:
         fixed = fixed_memory(params, [m for _, m in stages], [b for m in modules for b in m.buffers()], optimizer,
-                             dev, world_size)
+                             dev, world_size, sample_input=sample_input)
     shared, shared_ids = _shared(identity, sizes)
     delta[L] = nbytes(r.grads)
     # what B(i) handed through is part of both gradients as charged (δ_L, the loss's, is charged by its storage: an
