@@ -8,6 +8,11 @@ Chains are ``Chain.random(L, seed=0)``. Timings are wall-clock, with the build's
 runs on one thread per free core (``solver.solver_threads``), so CPU time is up to that many times the wall time; on
 a shared machine both are noisy, and the old and new code are best compared side by side in one run.
 
+``--limit``: answers near the memory limit (issue 43): on the shipped chains (``hchain_viz.examples``), at 1.000,
+1.005, 1.01, 1.05, 1.10 and 1.3x the least budget, the overhead over store-all (simulated) of ``Solution.schedule``
+(what the slider, compare, export and ``hcv.checkpoint`` use) beside ``optimal_schedule``'s, the answer's source, and
+the slider's cost of one move (``Solution.schedule`` + ``simulate``, median of 20).
+
 ``--threads``: the thread-count options side by side (issue 24: a solver that holds up on a busy machine): for each
 L, interleaved rounds of ``solve(chain, threads=1)``, ``threads=2`` and the default (the free cores, see
 ``solver.solver_threads``), first as the machine is, then with one extra busy process (``while True: pass``) that
@@ -76,6 +81,8 @@ def run(args: list[str]) -> None:
 
     if "--threads" in args:
         return _run_threads([a for a in args if a != "--threads"])
+    if "--limit" in args:
+        return _run_limit()
     quick = "--quick" in args
     reps = 5
     if "--reps" in args:
@@ -87,7 +94,8 @@ def run(args: list[str]) -> None:
             raise HChainError(f"--reps {reps} is too small; give 1 or more")
     unknown = [a for a in args if a not in ("--quick", "--reps", str(reps))]
     if unknown:
-        raise HChainError(f"unknown option(s) {unknown}; the solver benchmark takes --quick and --reps N")
+        raise HChainError(f"unknown option(s) {unknown}; the solver benchmark takes --quick, --reps N, --limit "
+                          "or --threads")
     configs = QUICK if quick else FULL
 
     solve(Chain.random(5, seed=0))  # compile or load the kernels before timing anything
@@ -125,6 +133,47 @@ def run(args: list[str]) -> None:
         ["warm", format_time(warm_in), format_time(warm_all),
          f"<= {format_time(GOAL_COLD_START)} {'ok' if warm_all <= GOAL_COLD_START else 'MISSED'}"],
     ])
+
+
+# Goals near the limit (issue 43): Solution.schedule within 1% of optimal_schedule's time; a slider move within 30 ms.
+GOAL_LIMIT = 0.01
+GOAL_SLIDER = 0.030
+LIMIT_FACTORS = (1.0, 1.005, 1.01, 1.05, 1.10, 1.3)
+
+
+def _run_limit() -> None:
+    """Solution.schedule beside optimal_schedule near the least budget of each shipped chain (see the module
+    docstring)."""
+    from .. import examples
+    from ..core.simulate import peak_and_makespan, simulate
+    from ..core.solver import least_budget, optimal_schedule
+
+    rows = []
+    for name in examples.NAMES:
+        chain = examples.load(name)
+        t = time.perf_counter()
+        solution = solve(chain)
+        build = time.perf_counter() - t
+        least, base = least_budget(chain), chain.store_all_time
+        for f in LIMIT_FACTORS:
+            b = int(least * f)
+            mine = solution.schedule(b)
+            ours = peak_and_makespan(chain, mine)[1]
+            best = optimal_schedule(chain, b)
+            theirs = peak_and_makespan(chain, best)[1]
+            move, _ = _median_time(lambda b=b, c=chain, s=solution: simulate(c, s.schedule(b)), 20)
+            ratio = ours / theirs - 1
+            rows.append([name if f == 1.0 else "", format_bytes(least) if f == 1.0 else "", f"{f:.3f}x",
+                         f"{100 * (ours / base - 1):+.1f}% ({mine.meta['source']})",
+                         f"{100 * (theirs / base - 1):+.1f}% ({best.meta['source']})",
+                         f"{100 * ratio:+.2f}% {'ok' if ratio <= GOAL_LIMIT else 'MISSED'}",
+                         f"{format_time(move)} {'ok' if move <= GOAL_SLIDER else 'MISSED'}",
+                         format_time(build) if f == 1.0 else ""])
+    print("Near the memory limit: overhead over store-all (simulated) of Solution.schedule and optimal_schedule; "
+          f"goals: within {100 * GOAL_LIMIT:.0f}% of optimal_schedule's time, a slider move "
+          f"(schedule + simulate) <= {format_time(GOAL_SLIDER)}")
+    print_table(["chain", "least", "budget", "Solution.schedule", "optimal_schedule", "vs optimal", "slider move",
+                 "solve"], rows, rule=True)
 
 
 # Goals of the thread options (issue 24): with one core busy, the default within 1.15x of one thread.
