@@ -133,7 +133,7 @@ def test_a_schedule_profiled_in_float32_trains_under_autocast_and_warns_naming_b
     chain = hcv.profile(model, batch, warmup=0, repeats=1, progress=False)
     sol = hcv.solve(chain)
     schedule = sol.schedule((sol.min_budget + sol.store_all_peak) // 2)
-    schedule.meta["precision"] = chain.meta["precision"]
+    assert schedule.meta["precision"] == chain.meta["precision"]  # the solver carries the profiled precision
     wrapped = hcv.wrap(model, schedule)
     with pytest.warns(PrecisionWarning, match="profiled in float32"):
         got = _steps(wrapped, batch, autocast=True)

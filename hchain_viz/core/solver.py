@@ -945,6 +945,8 @@ class Solution:
     def _finish(self, ops: tuple[Op, ...], meta: dict) -> Schedule:
         # The predicted makespan is the simulator's (one place that counts the backward calls).
         meta["predicted_makespan"] = peak_and_makespan(self.chain, Schedule(ops))[1]
+        if "precision" in self.chain.meta:  # a wrapped schedule warns when it runs in another (docs/design.md §11)
+            meta["precision"] = self.chain.meta["precision"]
         return Schedule(ops, meta)
 
     def _infeasible(self, budget: int) -> InfeasibleBudget:
