@@ -115,3 +115,33 @@ def test_device_panel_needs_a_fixed_part():
     with pytest.raises(HChainError, match="fixed part"):
         Explorer(plain, axis="device")
     ex.close()
+
+
+def test_precision_choice_recounts_the_fixed_part_and_answers_the_device_again(chain):
+    """A chain profiled under autocast bf16 offers the precisions its fixed part derives (docs/design.md §11)."""
+    mixed = dataclasses.replace(chain.fixed, precision="bf16-mixed", stage_casts=[2 * MiB // 6] * 6)
+    profiled = dataclasses.replace(chain, fixed=mixed)
+    ex = Explorer(profiled, device_memory="40MiB", axis="device")
+    assert list(ex._precision_dd.options) == mixed.precisions() and ex.precision == "bf16-mixed"
+    assert len(mixed.precisions()) > 2  # bf16-master, bf16 and fp16 weights too
+    before = ex.device_note
+    ex._precision_dd.value = "bf16"  # 16-bit weights and AdamW state: a smaller fixed part
+    want = device.in_precision(profiled, "bf16")
+    assert ex.precision == "bf16" and ex.chain.fixed == want.fixed
+    assert want.fixed.total_per_rank < mixed.total_per_rank
+    assert ex.device_note != before and "bf16:" in ex.device_note  # the answer follows the precision
+    assert ex.trace.schedule.ops == hcv.solve(want).schedule(device_memory="40MiB", margin=ex.margin).ops
+    assert ex._budget_slider.min == ex.min_budget + want.fixed.total_per_rank  # the device axis moves with it
+    ex.batch = 16  # another batch keeps the precision chosen
+    assert ex.precision == "bf16" and ex.chain.fixed == want.fixed
+    ex.precision = "bf16-mixed"  # and back: derived from the record as profiled, its autocast copies included
+    assert ex.chain.fixed == mixed and ex._precision_dd.value == "bf16-mixed"
+    with pytest.raises(HChainError, match="32-bit"):
+        ex.precision = "fp32"  # another activation width: not derivable
+    ex.close()
+
+
+def test_no_precision_choice_when_only_one_derives(chain):
+    ex = Explorer(chain)  # profiled in fp32: 16-bit compute would change the activations too
+    assert chain.fixed.precisions() == ["fp32"] and ex._precision_dd is None and ex.precision == "fp32"
+    ex.close()

@@ -21,8 +21,9 @@ adds a device panel — a preset or custom device size, the allocator margin, an
 device sets the budget to the fastest schedule whose whole step fits, or says plainly that nothing fits. For a chain
 with a batch-size fit (``hcv.profile_batches``) a batch-size box re-solves at another batch size, and a fifth figure
 shows throughput against the batch size on the chosen device, marking the largest batch of each strategy.
-Programmatically: ``explorer.device_memory = "24GiB"``, ``explorer.margin = 0.1``, ``explorer.axis = "device"``,
-``explorer.batch = 64``.
+A chain profiled in 16-bit compute also offers the precisions its fixed part can be counted in
+(``chain.fixed.precisions()``). Programmatically: ``explorer.device_memory = "24GiB"``, ``explorer.margin = 0.1``,
+``explorer.axis = "device"``, ``explorer.batch = 64``, ``explorer.precision = "bf16-master"``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import html
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -164,6 +166,7 @@ class Explorer:
         self._strategies = [OPTIMAL, *applicable(chain)]  # the transformer baselines need groups / tags
         self._baselines = baselines
         self._base_chain = chain  # the chain as given: batch sizes are taken from its fit
+        self._profiled = chain  # precisions are derived from its fixed part as profiled (docs/design.md §11)
         self._device: int | None = None  # bytes of the chosen device (None: no device chosen)
         self._margin = D.DEFAULT_MARGIN
         self._axis = "activations"
@@ -315,6 +318,23 @@ class Explorer:
         if self._base_chain.batch_fit is None:
             raise HChainError("this chain has no batch-size fit; profile it with hcv.profile_batches(...)")
         self._set_chain(self._base_chain.at_batch(value))
+        self._budget = min(max(self._budget, self.min_budget), self.max_budget)
+        if self._device is not None:
+            self._set_device(self._device)
+        self._redraw_all()
+
+    @property
+    def precision(self) -> str | None:
+        """The precision the fixed part is counted in (a name of :data:`~hchain_viz.core.fixed.PRECISIONS`; None
+        without a fixed part). Setting it to one of ``chain.fixed.precisions()`` re-counts the fixed part
+        (:func:`~hchain_viz.core.device.in_precision`) and answers the device again; activations stay as profiled."""
+        return None if self.chain.fixed is None else self.chain.fixed.precision
+
+    @precision.setter
+    def precision(self, name: str) -> None:
+        self._need_fixed()
+        self._base_chain = D.in_precision(self._profiled, name)  # from the record as profiled: derivations don't chain
+        self._set_chain(replace(self.chain, fixed=self._base_chain.fixed))
         self._budget = min(max(self._budget, self.min_budget), self.max_budget)
         if self._device is not None:
             self._set_device(self._device)
@@ -619,6 +639,8 @@ class Explorer:
             if self._device_widgets:
                 self._axis_tb.value = self._axis
                 self._margin_slider.value = self._margin
+                if self._precision_dd is not None:
+                    self._precision_dd.value = self.precision
                 if self._batch_box is not None:
                     self._batch_box.value = self.chain.batch
         finally:
@@ -642,6 +664,7 @@ class Explorer:
         """The device panel (presets, custom size, margin, axis) and the batch-size box; none without a fixed part."""
         self._device_widgets = self.chain.fixed is not None
         self._batch_box = None
+        self._precision_dd = None
         self._device_label = W.HTML()
         if not self._device_widgets:
             return []
@@ -659,6 +682,12 @@ class Explorer:
         self._axis_tb.observe(lambda ch: self._syncing or setattr(self, "axis", ch["new"]), "value")
         row = dict(flex_flow="row wrap", align_items="center", width="100%")
         items = [self._device_dd, self._custom, self._margin_slider, self._axis_tb]
+        names = self.chain.fixed.precisions()
+        if len(names) > 1:  # the fixed part in another precision of the profiled width (docs/design.md §11)
+            self._precision_dd = W.Dropdown(options=names, value=self.precision, description="precision",
+                                            layout=W.Layout(width="230px"))
+            self._precision_dd.observe(lambda ch: self._syncing or setattr(self, "precision", ch["new"]), "value")
+            items.append(self._precision_dd)
         if self.chain.batch_fit is not None:
             self._batch_box = W.BoundedIntText(value=self.chain.batch, min=1, max=2**24, description="batch",
                                                layout=W.Layout(width="180px"))
