@@ -87,6 +87,28 @@ def test_applied_model_trains_bitwise_like_eager_and_stays_itself(sname, native)
         hcv.remove(model)
 
 
+class _AddOne(nn.Module):
+    """Writes into its input without saying so: only a sample input shows that it fuses with the stage before."""
+
+    def forward(self, x):
+        return x.add_(1)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["executor", "native"])
+def test_stages_fused_only_with_an_input_are_found_at_the_first_step_by_both_forms(native):
+    """More stages by structure than the schedule's: both forms wait for the first input (one find_stages, #40)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 8), _AddOne(), nn.Tanh(), nn.Linear(8, 4))
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    twin = copy.deepcopy(model)
+    assert len(hcv.sequentialize(model)) == 4 and len(hcv.sequentialize(model, x)) == 3
+    hcv.apply(model, hcv.Schedule.parse("Fck0 Fn1 Fall2 Loss B2 Fall0 Fall1 B1 B0"), native=native)
+    (loss_a, _), (loss_e, _) = _step(model, x, y), _step(twin, x, y)
+    assert torch.equal(loss_a, loss_e)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters()))
+
+
 def test_an_applied_model_is_deep_copied_with_its_schedule():
     model, x, y = _model()
     hcv.apply(model, SCHEDULES["optimal_low"])

@@ -318,3 +318,34 @@ def test_look_alike_whose_layout_fails_to_run_falls_back_to_graph_extraction():
         assert torch.equal(run(stages, x), model(x))
     with pytest.raises(HChainError):  # a wrong input still fails, in extraction
         sequentialize(model, torch.randn(2, 5, 12, 12))
+
+
+# ---------------------------------------------------------------------------------------------- find_stages (#40)
+def test_find_stages_waits_for_an_input_only_where_one_can_change_the_answer():
+    from hchain_viz import InvalidSchedule, Schedule
+    from hchain_viz.runtime.stages import find_stages, stage_count
+
+    two = Schedule.parse("Fall0 Fall1 Loss B1 B0")
+    assert stage_count(two) == 2
+    model = nn.Sequential(nn.Linear(4, 4), AddOne(), nn.Linear(4, 2))  # 3 stages by structure, 2 traced
+    assert find_stages(model, two) is None  # an input may fuse stages: wait for it
+    assert names(find_stages(model, two, torch.randn(3, 4))) == ["0+1", "2"]
+    assert find_stages(Custom(), two) is None  # a custom forward: cut from the input
+    with pytest.raises(InvalidSchedule, match="chain of 2 stages but Sequential has 1"):
+        find_stages(nn.Sequential(nn.Linear(4, 4)), two)  # an input never splits a stage
+    with pytest.raises(InvalidSchedule, match="chain of 3 stages but Sequential has 2"):
+        find_stages(model, Schedule.parse("Fall0 Fall1 Fall2 Loss B2 B1 B0"), torch.randn(3, 4))
+    with pytest.raises(InvalidSchedule, match="exactly one Loss"):
+        stage_count(Schedule.parse("Fall0 B0"))
+
+
+def test_find_stages_lets_errors_other_than_not_sequential_through(monkeypatch):
+    from hchain_viz import Schedule
+    from hchain_viz.runtime import stages as stages_module
+
+    def broken(model, sample_input=None, **kwargs):
+        raise RuntimeError("a bug, not a model that cannot be cut")
+
+    monkeypatch.setattr(stages_module, "sequentialize", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        stages_module.find_stages(nn.Sequential(nn.Linear(4, 4)), Schedule.parse("Fall0 Loss B0"))

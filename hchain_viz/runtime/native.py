@@ -1,64 +1,34 @@
-"""The native form of a schedule: PyTorch's own nested non-reentrant ``torch.utils.checkpoint`` regions.
+"""The native form of a schedule: nested non-reentrant ``torch.utils.checkpoint`` regions (docs/design.md §5.3).
 
-A persistent schedule (DESIGN §3, what the DP returns) is a tree of segments. Read from its ops:
-
-- ``Fall(i)`` ... ``B(i)``: stage i runs recording autograd (it stores its activations) - a plain call;
-- ``Fck(i) Fn(i+1) .. Fn(j-1)``, then the ops of ``[j..l]``, then those of ``[i..j-1]``: stages ``i..j-1`` run without
-  autograd from the kept checkpoint x_i and are recomputed, by their own sub-schedule, after ``[j..l]`` is done -
-  a non-reentrant checkpoint region over ``i..j-1`` whose body is that sub-schedule (regions nest).
-
-``torch.utils.checkpoint`` (non-reentrant) runs exactly that: the forward of a region saves its input only; the
-backward, when it first needs a tensor of the region, reruns the region's body, whose plain stages store and whose
-inner regions save their input again, then back-propagates it. So the memory and the recomputations are the
-schedule's, and ``torch.compile(model)`` compiles the whole step as one graph with the regions inside (Dynamo
-turns each region into its ``checkpoint`` higher-order op; the partitioner recomputes what it covers).
-
-Schedules that are not such a tree (hand-written ones that recompute a stage a different way, offloading ops) are
-refused with :class:`NotNative`, naming the op where the tree stops; :func:`segment_tree` gives the tree.
-
-Selective stages (``hcv.apply(..., native=True, selective=...)``, :func:`selective_call`): every stage outside the
-checkpoint regions also runs under PyTorch's selective activation checkpointing, saving only the outputs of its
-costly ops (matrix products, convolutions, attention kernels: :data:`COSTLY_OPS`) and recomputing the rest (norms,
-activations, dropout, additions) in its own backward, where a compiled backward fuses them into the kernels that
-need them: what ``torch.compile``'s ``activation_memory_budget`` finds nearly free, here under a schedule. The stages
-inside a region run plain: a selective stage keeps its saved outputs through an enclosing region (its policy's
-"save" wins over the region's "recompute"; measured compiled on nanoGPT: 43.7 MiB whatever the regions, where they
-were predicted at 13-35 MiB). So a schedule in this form has two profiles: the plain chain for its regions' stages
-and one profiled with ``profile(..., compile=True, selective=True)`` for the others; :func:`selective_chain` is the
-chain of the two that the simulator predicts it by. Under ``torch.compile`` a selective stage leaves its batch norms
-to the partitioner, which keeps their batch statistics and recomputes only the normalisation, as compile's own
-partition does (:func:`_keep_costly_compiled`). Same guarantees as the regions (the recomputation replays dropout's
-draws; in eager mode the running statistics are kept).
-
-Guarantees, as the executor's (DESIGN §5):
-
-- dropout: a recomputed region replays the random numbers of its first run (``preserve_rng_state=True``, the
-  default), and the global RNG is forked for the replay, never rewound;
-- BatchNorm running statistics: ``torch.utils.checkpoint`` reruns a region's forward in train mode, which would
-  update them a second time. In eager mode each region's recomputation runs with the statistics of its norm layers
-  swapped for copies that are thrown away (``context_fn``). Under ``torch.compile`` the buffer updates are part of
-  the compiled forward and the backward's recomputation does not repeat them (tested with ``aot_eager``: losses,
-  gradients, statistics and the RNG bitwise like the eager plain model). Dynamo's ``backend="eager"`` (no
-  AOTAutograd) is the exception: a region that updates statistics fails in the backward with autograd's in-place
-  error (loudly, never a wrong number); use inductor or ``aot_eager``.
-
-NOTE [compiled memory]. ``torch.compile(model)`` does not run every tree as the schedule says; measured op by op on
-the partitioned backward graph (``bench compile --native``, DESIGN §5), two things differ, both predicted here:
-
-- a compiled backward is one graph in which each forward node is recomputed at most once, and what it recomputes
-  stays until its last use. Nested regions therefore collapse into their top-level regions, each recomputed once
-  storing everything (``Fck(i) Fn.. `` then ``Fall(i)..Fall(j)``): :func:`compiled_tree`. Single-level trees (each
-  region's body plain stages) run as the schedule says; a nested schedule (the DP's low budgets) runs faster than
-  predicted but holds more (nanoGPT: 1.67x the nested schedule's peak, 1.02x its single-level form's);
-- the parameter gradients are outputs of that one backward graph: each is held from its stage's ``B`` until the
-  whole backward ends (eagerly, each is added into ``.grad`` and freed at once).
-
-:func:`compiled_peak` is the simulator's peak of :func:`compiled_schedule` plus the gradients held at each op;
-:func:`for_compile` picks, for a budget, the fastest schedule whose compiled peak fits, from the optimum over
-single-level schedules (``solve(chain, single_level=True)``: exact over them, checked against every such schedule
-simulated). ``hcv.apply(..., native=True)``
-warns when a compiled model's schedule may exceed the peak it was chosen for.
+A persistent schedule is a tree of segments (:func:`segment_tree`): ``Fall(i) .. B(i)`` is a plain call, and
+``Fck(i) Fn(i+1) .. Fn(j-1)``, then the ops of ``[j..l]``, then those of ``[i..j-1]`` is a checkpoint region over
+``i..j-1`` whose body is that sub-schedule. :class:`NativeSchedule` runs the tree, so ``torch.compile(model)``
+compiles one graph that keeps the schedule's memory; schedules that are no such tree raise :class:`NotNative`.
+Selective stages (:func:`selective_call`) save only the outputs of :data:`COSTLY_OPS` and are predicted by
+:func:`selective_chain`. Compiled whole, a schedule runs as :func:`compiled_schedule` says and peaks at
+:func:`compiled_peak` (NOTE [compiled memory]); :func:`for_compile` picks the fastest that fits a budget.
+Measurements: docs/benchmarks.md (the native form under torch.compile).
 """
+
+# NOTE [native guarantees]. As the executor's (docs/design.md §5.1), where torch.utils.checkpoint can keep them:
+# - dropout: a recomputed region replays the random numbers of its first run (preserve_rng_state=True); the global
+#   RNG is forked for the replay, never rewound;
+# - BatchNorm running statistics: checkpoint reruns a region's forward in train mode, which would update them twice.
+#   In eager mode each recomputation runs with its norm layers' statistics swapped for copies thrown away after
+#   (context_fn, _stats_kept). Under torch.compile the buffer updates belong to the compiled forward and the
+#   backward's recomputation does not repeat them (inductor, aot_eager). Dynamo's backend="eager" (no AOTAutograd)
+#   is the exception: a region that updates statistics fails in the backward with autograd's in-place error,
+#   loudly, never a wrong number.
+# - a selective stage never runs inside a region: its policy's "save" wins over the region's "recompute", so it
+#   would keep its saved outputs through the region.
+#
+# NOTE [compiled memory]. torch.compile(model) does not run every tree as the schedule says (measured op by op on
+# the partitioned backward graph, `bench compile --native`); both differences are predicted here:
+# - a compiled backward is one graph in which each forward node is recomputed at most once and what it recomputes
+#   stays until its last use: nested regions collapse into their top-level regions, each recomputed once storing
+#   everything (compiled_tree). Single-level trees run as the schedule says;
+# - the parameter gradients are outputs of that one backward graph: each is held from its stage's B until the whole
+#   backward ends (eagerly each is added into .grad and freed at once).
 
 from __future__ import annotations
 
@@ -74,8 +44,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from ..core.chain import Chain
 from ..core.schedule import Op, Schedule
 from ..errors import InvalidSchedule, NotNative  # noqa: F401
-from .stages import sequentialize
-from .wrap import _length_mismatch
+from .stages import find_stages, stage_count
 
 __all__ = ["NativeSchedule", "NotNative", "segment_tree", "tree_ops", "Region", "compiled_tree", "compiled_schedule",
            "grad_bytes", "compiled_peak", "for_compile", "selective_call", "selective_chain", "COSTLY_OPS"]
@@ -103,10 +72,7 @@ def segment_tree(schedule: Schedule) -> tuple:
     if any(kind in ("Off", "Pre") for kind, _ in ops):
         raise NotNative("the schedule offloads activations (Off/Pre ops); the native form has no transfers. Run it "
                         "by the executor (hcv.apply(model, schedule) without native=True)")
-    losses = [i for kind, i in ops if kind == "Loss"]
-    if len(losses) != 1:
-        raise NotNative(f"a schedule has exactly one Loss op; this one has {len(losses)}")
-    L = losses[0]
+    L = stage_count(schedule)
     pos = 0
 
     def expect(kind: str, i: int) -> None:
@@ -172,8 +138,7 @@ def compiled_schedule(schedule: Schedule) -> Schedule:
     flat = compiled_tree(tree)
     if flat == tree:
         return schedule
-    L = next(op.stage for op in schedule.ops if op.kind == "Loss")
-    return Schedule(tuple(Op(kind, i) for kind, i in tree_ops(flat, L)),
+    return Schedule(tuple(Op(kind, i) for kind, i in tree_ops(flat, stage_count(schedule))),
                     meta={**schedule.meta, "compiled_form_of": schedule.meta.get("strategy", "schedule")})
 
 
@@ -283,18 +248,13 @@ class NativeSchedule:
         self.schedule = schedule
         self.selective = bool(selective)
         self.tree = segment_tree(schedule)
-        self.length = next(op.stage for op in schedule.ops if op.kind == "Loss")
+        self.length = stage_count(schedule)
         self.preserve_rng_state = bool(preserve_rng_state)
         self.stages: list[tuple[str, nn.Module]] | None = None
         self._modules: list[nn.Module] = []
-        try:
-            stages = sequentialize(model)
-        except Exception:  # a custom forward: traced at the first training call
-            stages = None
-        if stages is not None and len(stages) == self.length:
+        stages = find_stages(model, schedule)  # None: traced at the first training call
+        if stages is not None:
             self._set_stages(stages)
-        elif stages is not None and len(stages) != self.length:
-            raise _length_mismatch(schedule, self.length, stages, model)
 
     def _set_stages(self, stages: list[tuple[str, nn.Module]]) -> None:
         self.stages = list(stages)
@@ -302,10 +262,7 @@ class NativeSchedule:
 
     def _ensure_stages(self, x: Any) -> None:
         if self.stages is None:
-            stages = sequentialize(self.model, x)
-            if len(stages) != self.length:
-                raise _length_mismatch(self.schedule, self.length, stages, self.model)
-            self._set_stages(stages)
+            self._set_stages(find_stages(self.model, self.schedule, x))
 
     def _forget_draws(self) -> None:  # nothing learned across steps: torch.utils.checkpoint stashes RNG per region
         return None

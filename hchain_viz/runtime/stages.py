@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import NotSequentialError, ProfileError
+from ..core.schedule import Schedule
+from ..errors import InvalidSchedule, NotSequentialError, ProfileError
 from .memtrack import cuda_devices, map_tensors, tensors
 
 Stage = tuple[str, nn.Module]
@@ -37,7 +38,7 @@ Stage = tuple[str, nn.Module]
 # Look-alike models (torchvision-style by attribute names) whose stages were seen to reproduce the model's output.
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()
 
-__all__ = ["sequentialize", "Stage", "fuse", "buffer_snapshot"]
+__all__ = ["sequentialize", "find_stages", "stage_count", "Stage", "fuse", "buffer_snapshot"]
 
 
 def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | int | None = None) -> list[Stage]:
@@ -118,6 +119,57 @@ def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | in
             _VERIFIED.add(model)
         stages = _fuse_marked(stages, inplace)
     return stages
+
+
+def stage_count(schedule: Schedule) -> int:
+    """The number of stages L a schedule is for: the stage of its one ``Loss`` op.
+
+    Raises:
+        InvalidSchedule: the schedule has no ``Loss`` op or several, or none of its stages comes before it.
+    """
+    losses = [op.stage for op in schedule.ops if op.kind == "Loss"]
+    if len(losses) != 1:
+        raise InvalidSchedule(f"a schedule has exactly one Loss op; this one has {len(losses)} ({schedule!r})")
+    if losses[0] < 1:
+        raise InvalidSchedule("the schedule has no forward op before its Loss; it is for a chain of no stages")
+    return losses[0]
+
+
+def find_stages(model: Any, schedule: Schedule, sample_input: Any = None) -> list[Stage] | None:
+    """The stages of ``model`` that ``schedule`` runs, or None while they can only be found from an input.
+
+    Without ``sample_input`` the answer is None when the model cannot be cut without one (a custom ``forward()``,
+    traced at the first training call) or has more stages than the schedule: an input can still fuse stages that
+    write into their input, never split one. With ``sample_input`` the stages are traced on it and must number
+    exactly ``stage_count(schedule)``.
+
+    Raises:
+        InvalidSchedule: the model has fewer stages than the schedule (or another number, given ``sample_input``).
+        NotSequentialError: given ``sample_input``, the model cannot be cut into stages.
+    """
+    length = stage_count(schedule)
+    if sample_input is None:
+        try:
+            stages = sequentialize(model)
+        except NotSequentialError:  # only this means "cannot be cut without an input"; any other error is real
+            return None
+        if len(stages) > length:
+            return None
+    else:
+        stages = sequentialize(model, sample_input)
+    if len(stages) != length:
+        raise _length_mismatch(schedule, length, stages, model)
+    return stages
+
+
+def _length_mismatch(schedule: Schedule, L: int, stages: list[Stage], model: Any) -> InvalidSchedule:
+    names = ", ".join(n for n, _ in stages[:8]) + (", ..." if len(stages) > 8 else "")
+    return InvalidSchedule(
+        f"the schedule is for a chain of {L} stages but {type(model).__name__} has {len(stages)} stages ({names}); "
+        f"build the schedule from a chain profiled on this model (hcv.profile(model, x)) or from a chain of "
+        f"length {len(stages)}. (A chain profiled at a finer granularity: profile this very model object, or call "
+        f"hcv.sequentialize(model, x, granularity=...) on it first, so that its cut is known.)"
+    )
 
 
 def _trusted(model: nn.Module) -> bool:

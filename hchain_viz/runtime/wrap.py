@@ -45,7 +45,7 @@ from .memtrack import (
 )
 from .precision import autocast_now, precision_of, runs_in, uncached, warn_other_precision
 from .precision import describe as describe_precision
-from .stages import buffer_snapshot, sequentialize
+from .stages import buffer_snapshot, find_stages, sequentialize, stage_count
 from .transfer import Link, box_holder, data_holder, storage_key
 
 __all__ = ["wrap", "ScheduledModule"]
@@ -104,7 +104,7 @@ class ScheduledModule(nn.Module):
         self.preserve_rng_state = bool(preserve_rng_state)
         self.compile_options = compile_options(compile)
         self.length, self._joined = _check_grammar(self.schedule)
-        self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length, self._joined)
+        self._forward_ops, self._backward_ops, self._group_start = _op_roles(self.schedule, self.length, self._joined)
         self.stages: list[tuple[str, nn.Module]] | None = None
         self._stage_modules: list[nn.Module] = []
         self._stage_tensors: list[_LocalTensors] = []  # per stage: its parameters and buffers, read live each step
@@ -124,15 +124,9 @@ class ScheduledModule(nn.Module):
         self._frees_for: Any = None
         self._frees_made: set[int] = set()  # the boundaries b whose made storages (see _Step.made) they read
         self._warned_precisions: set[str] = set()  # the precisions other than the profiled one, warned about
-        try:
-            stages = sequentialize(model)
-        except NotSequentialError:
-            stages = None  # a custom forward(): the stages are traced from the first training input
+        stages = find_stages(model, self.schedule)  # None: traced from the first training input
         if stages is not None:
-            if len(stages) < self.length:
-                raise _length_mismatch(self.schedule, self.length, stages, model)
-            if len(stages) == self.length:
-                self._set_stages(stages)
+            self._set_stages(stages)
         # Checkpoints carry the plain model's keys (no "model." prefix), in both directions, nested or not.
         self.register_state_dict_post_hook(_strip_model_prefix)
         self.register_load_state_dict_pre_hook(_add_model_prefix)
@@ -147,7 +141,7 @@ class ScheduledModule(nn.Module):
         self._grad_mask_for = None  # new stages: learn which cut tensors need a gradient again
         self._frees = None
         params = [{id(p) for p in m.parameters() if p.requires_grad} for m in self._stage_modules]
-        self._forward_ops, self._backward_ops, self._group_start = _compile(self.schedule, self.length, self._joined,
+        self._forward_ops, self._backward_ops, self._group_start = _op_roles(self.schedule, self.length, self._joined,
                                                                             params)
         options = self.compile_options
         self._runners = (self._stage_modules if options is None
@@ -170,10 +164,7 @@ class ScheduledModule(nn.Module):
                 return
             self._stages_in_precision(x)
             return
-        stages = sequentialize(self.model, x)
-        if len(stages) != self.length:
-            raise _length_mismatch(self.schedule, self.length, stages, self.model)
-        self._set_stages(stages)
+        self._set_stages(find_stages(self.model, self.schedule, x))
 
     def _stages_in_precision(self, x: Any) -> None:
         """The stages (traced by torch.export in another precision) traced again in the one running now: the same
@@ -832,27 +823,12 @@ def _as_schedule(schedule: Any) -> Schedule:
 def _check_grammar(schedule: Schedule) -> tuple[int, frozenset[int]]:
     """The schedule's stage count L (its Loss op) and the stages whose Fall joins the graph of the stage before,
     simulated on a dummy chain of that length (simulating checks the grammar)."""
-    losses = [op.stage for op in schedule.ops if op.kind == "Loss"]
-    if len(losses) != 1:
-        raise InvalidSchedule(f"a schedule has exactly one Loss op; this one has {len(losses)} ({schedule!r})")
-    L = losses[0]
-    if L < 1:
-        raise InvalidSchedule("the schedule has no forward op before its Loss; it is for a chain of no stages")
+    L = stage_count(schedule)
     chain = Chain.homogeneous(L).with_bandwidth(1.0) if schedule.n_transfers else Chain.homogeneous(L)
     return L, simulate(chain, schedule).joined  # raises InvalidSchedule naming the first bad op
 
 
-def _length_mismatch(schedule: Schedule, L: int, stages: list[tuple[str, nn.Module]], model: nn.Module) -> HChainError:
-    names = ", ".join(n for n, _ in stages[:8]) + (", ..." if len(stages) > 8 else "")
-    return InvalidSchedule(
-        f"the schedule is for a chain of {L} stages but {type(model).__name__} has {len(stages)} stages ({names}); "
-        f"build the schedule from a chain profiled on this model (hcv.profile(model, x)) or from a chain of "
-        f"length {len(stages)}. (A chain profiled at a finer granularity: profile this very model object, or call "
-        f"hcv.sequentialize(model, x, granularity=...) on it first, so that its cut is known.)"
-    )
-
-
-def _compile(schedule: Schedule, L: int, joined: frozenset[int],
+def _op_roles(schedule: Schedule, L: int, joined: frozenset[int],
              params: list[set[int]] | None = None) -> tuple[list[_Op], list[_Op], list[int]]:
     """Split the ops at Loss; give each forward its role (_ONLY, _FIRST, _REPLAY) and say whether a Fall joins the
     graph of the stage before it. Also, per stage i, the first stage k of the group B(i) belongs to.
