@@ -12,6 +12,7 @@ A rank that fails does not leave the others waiting for ever: they wait at most 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +69,8 @@ def pipeline(model: nn.Module, plan: PipelinePlan, loss_fn: Any, *, group: Any =
     Args:
         model: the whole model (every rank builds it alike; each keeps only its stages' modules in use).
         plan: from ``hcv.plan_pipeline(chain, ...)`` with the chain profiled at the microbatch size.
-        loss_fn: ``loss_fn(output, target)`` per microbatch, on the last rank.
+        loss_fn: ``loss_fn(output, target)`` per microbatch, on the last rank; a model output that is a mapping (a
+            Hugging Face ``ModelOutput``) reaches it as its one tensor (the logits) or the tuple of its tensors.
         group: the process group (default the world); its size must be ``plan.devices``, rank r runs stage r.
         stages: the ``(name, module)`` list of the chain's stages (default ``hcv.sequentialize(model)``).
     Returns:
@@ -97,11 +99,29 @@ def pipeline(model: nn.Module, plan: PipelinePlan, loss_fn: Any, *, group: Any =
     st = plan.stages[rank]
     part = nn.Sequential(OrderedDict((name.replace(".", "_"), module) for name, module in stages[st.first:st.end]))
     module = wrap(part, st.schedule)
+    if rank == world - 1:
+        module = _TensorOutput(module)
     stage = PipelineStage(module, rank, world, torch.device(device), group=group)
     _keep_grads_through_inference(stage, module)
     runner_cls = Schedule1F1B if plan.kind == "1F1B" else ScheduleGPipe
     runner = runner_cls(stage, n_microbatches=plan.microbatches, loss_fn=loss_fn)
     return PipelineRun(plan, rank, module, stage, runner)
+
+
+class _TensorOutput(nn.Module):
+    """The last stage's module, its output made what torch's stages accept: a mapping (a Hugging Face
+    ``ModelOutput``) becomes its one tensor (the logits), or the tuple of its tensors in order."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any) -> Any:
+        out = self.module(*args)
+        if isinstance(out, Mapping):
+            tensors = tuple(v for v in out.values() if isinstance(v, torch.Tensor))
+            return tensors[0] if len(tensors) == 1 else tensors
+        return out
 
 
 def _keep_grads_through_inference(stage: Any, module: nn.Module) -> None:
