@@ -54,100 +54,69 @@ def bandwidth_of(value: float | str) -> float:
 
 @dataclass(frozen=True)
 class Chain:
-    """A heterogeneous chain of ``L`` stages followed by the loss.
+    """A heterogeneous chain of ``L`` stages followed by the loss: what the solver and the simulator read.
 
-    Times are seconds (float), sizes bytes (int). Fields (paper symbols in brackets):
+    Times are seconds (float), sizes bytes (int); index i is stage i, index L the loss. Each field is described
+    where it is declared below and in the table of docs/design.md §2 (the optional ones in §3.4, §7-§10).
 
-    - ``fwd_time[i]`` (u_f): one forward of stage i; ``bwd_time[i]`` (u_b): its backward, as its share of a
-      backward that runs through several stages at once.
-    - ``backward_call``: seconds each separate backward call costs beyond its stages' shares (the autograd engine's
-      start, the input gradients handed from one call to the next). The executor runs one call per group of stages
-      whose graphs it joins (store-all: one), so the simulator and the solver charge it once per group (DESIGN §4).
-      Default 0.0.
-    - ``x[i]`` (ω_x), length L+1: bytes of the activation entering stage i; ``x[L]`` is the network output.
-    - ``delta[i]``, length L+1: bytes of the gradient δ_i, or None (the default): the same as ``x[i]``, also after
-      ``dataclasses.replace(chain, x=...)``. Read it as :attr:`delta_bytes`. A profile measures it: tensors that
-      need no gradient (token ids, masks) have none, and the gradient of a broadcast view (``expand``) or of several
-      views of one storage is larger than the storage.
-    - ``xbar[i]`` (ω_x̄): bytes resident after a forward of stage i with autograd recording: its output plus what
-      autograd saved for its backward, not counting ``x[i]``. Always ``xbar[i] >= x[i+1]``.
-    - ``fwd_tmp[i]`` / ``bwd_tmp[i]``: transient bytes above the resident set during the forward (with autograd:
-      a ``Fall``) / backward.
-    - ``nograd_tmp[i]``: the same during a forward without autograd (``Fck``, ``Fn``), whose intermediates die as
-      they go instead of being saved; None (the default): as ``fwd_tmp``. Read it as :attr:`nograd_tmp_bytes`.
-    - ``names[i]``: a label (module name).
-    - ``fixed`` (optional): the memory no schedule changes — parameters, gradients, optimizer state, buffers and the
-      optimizer step's transient, with a sharding factor (:class:`~hchain_viz.core.fixed.FixedMemory`, DESIGN §7).
-      With it, ``simulate(...).device_peak`` predicts the whole step's device memory.
-    - ``batch_fit`` (optional): the fields as functions of the batch size (:class:`~hchain_viz.core.batch.BatchFit`),
-      so :meth:`at_batch` gives the chain at another batch size.
-    - ``bandwidth``: bytes/s of the device–host link *each way* (for ``Off``/``Pre`` ops, DESIGN §9), or None when
-      no link is modelled. The link is modelled full duplex: offloads and prefetches each have their own channel
-      at this rate and never slow each other. Presets in :data:`BANDWIDTH_PRESETS`; see :meth:`with_bandwidth`.
+    Args:
+        fwd_time, bwd_time: per stage, one forward (u_f) and its share of a backward (u_b).
+        x: length L+1, bytes of the value entering stage i (ω_x); ``x[L]`` is the network output.
+        xbar: per stage, bytes a recording forward leaves (ω_x̄): its output plus what autograd saved, not ``x[i]``.
+        fwd_tmp, bwd_tmp, nograd_tmp, delta, names, ...: optional, see the fields.
 
-    Costs users can trust (optional; DESIGN §10):
-
-    - ``tied``: sets of structurally identical stages (same module types, parameter shapes and input shapes), each a
-      sorted tuple of at least two stage indices, disjoint: their times were set to the median over the copies, so
-      that noise does not decide which copy of a layer is recomputed (``hcv.profile`` finds them).
-    - ``copy_spread``: per set of ``tied``, ``(fwd, bwd)``: how much the copies' own measurements differed, half
-      their range over the median (0.2: ±20%), as ``meta["time_spread"]`` reports the repeats.
-      :meth:`timing_note` says both in one line.
-
-    Structure of transformer-like chains (all optional; DESIGN §8):
-
-    - ``groups``: named contiguous stage ranges ``(name, first, last)`` (inclusive, in order, non-overlapping), e.g.
-      ``("h.3", 12, 17)``: the stages that form one layer. Baselines that work per layer (full per-layer
-      recomputation, ``checkpoint_sequential`` at layer granularity) and the grouped figures read them.
-    - ``tags[i]``: a free-form role of stage i (``""`` by default). ``"attn_core"`` marks the stages of Megatron's
-      core attention (scores, probabilities, probabilities times values), which selective recomputation recomputes.
-    - ``shared``: tensors that cross several consecutive cuts unchanged, as ``(first, last, bytes)`` with
-      ``0 <= first < last <= L``: one tensor of ``bytes`` that is part of every boundary value ``x[first..last]``
-      (the residual stream inside a layer, an attention mask). Each of those ``x[i]`` (and the ``xbar`` that contain
-      them) counts its bytes; the simulator counts it once however many resident values hold it.
-    - ``transit[i]`` (length L+1, ``transit[0] == transit[L] == 0``): bytes of x_i that no backward needs — made by
-      stage i-1, saved by neither B(i-1) nor B(i), not handed on to x_{i+1} (the pre-softmax scores, the q and k
-      that an attention product copies before it saves them). They are freed once ``Fall(i)`` has consumed them,
-      wherever x_i is held, as eager autograd frees them (DESIGN §3, amended: see ``simulate``). Default: zeros.
-    - ``consumed[i]`` (length L+1, ``consumed[0] == consumed[L] == 0``): bytes of x_i that B(i) needs and B(i-1) does
-      not — made by stage i-1, not saved by its backward, saved by stage i's, not handed on (the MLP's hidden
-      activation before the down-projection, the attention probabilities before their product with v). When x_i is
-      the output inside x̄_i (left by ``Fall(i-1)``), they are freed once ``B(i)`` has run, as eager autograd frees
-      them in a backward that runs through both stages (a plain checkpoint x_i goes whole at B(i) anyway). Disjoint
-      from ``transit[i]``; together at most the bytes of x[i] that no shared tensor holds. Default: zeros.
-    - ``consumed_shared``: indices into ``shared`` of tensors that only B(last) needs, each crossing two cuts
-      ``(first, first + 1)``: made by stage first-1, handed on by stage ``first`` without being saved by either,
-      saved by stage ``last`` and not handed on (v beside the attention probabilities, on its way to their product).
-      When x_last is the output inside x̄_{last-1}, the tensor is freed once ``B(last)`` has run, as the consumed
-      part of x_last is. Default: none.
-    - ``delta_through[i]`` (length L): bytes of δ_{i+1} that B(i) hands on unchanged as part of δ_i — the gradient of
-      a tensor stage i passes on and does not use (v beside the attention probabilities, the residual stream beside
-      an attention part): the same tensor, so B(i) adds only ``delta[i] - delta_through[i]`` new bytes beside
-      δ_{i+1} (DESIGN §8: memory counts a tensor once). At most the smaller of δ_i and δ_{i+1}. Default: zeros.
+    Raises:
+        InvalidChain: a field of the wrong length, sign or type; the message names it.
     """
 
     fwd_time: tuple[float, ...]
     bwd_time: tuple[float, ...]
     x: tuple[int, ...]
-    xbar: tuple[int, ...]
+    xbar: tuple[int, ...]  #: always ``xbar[i] >= x[i+1]``
+    #: transient bytes above the resident set during a recording forward (``Fall``) / during B(i)
     fwd_tmp: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
     bwd_tmp: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
     names: tuple[str, ...] = None  # type: ignore[assignment]  # default: "stage0", "stage1", ...
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    #: bytes/s of the device-host link *each way* for ``Off``/``Pre`` (§9), None: no link. Full duplex: offloads and
+    #: prefetches each have their own channel at this rate. Presets: :data:`BANDWIDTH_PRESETS`, :meth:`with_bandwidth`.
     bandwidth: float | None = None
+    #: named contiguous stage ranges ``(name, first, last)``, inclusive, in order, non-overlapping (``("h.3", 12, 17)``:
+    #: one layer); the per-layer baselines and the grouped figures read them (§8).
     groups: tuple[tuple[str, int, int], ...] = ()
+    #: per stage a free-form role; ``"attn_core"`` marks Megatron's core attention, which selective recomputation
+    #: recomputes.
     tags: tuple[str, ...] = None  # type: ignore[assignment]  # default: "" for every stage
+    #: ``(first, last, bytes)`` with ``0 <= first < last <= L``: one tensor that is part of every ``x[first..last]``
+    #: (and the ``xbar`` that contain them), counted once by the simulator (§8).
     shared: tuple[tuple[int, int, int], ...] = ()
+    #: length L+1, zero at 0 and L: bytes of x_i no backward needs, freed once ``Fall(i)`` consumed them (§3.4).
     transit: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
+    #: length L+1, zero at 0 and L: bytes of x_i that B(i) needs and B(i-1) does not, freed after B(i) when x_i is
+    #: the output inside x̄_i (§3.4). Disjoint from ``transit``; together at most x[i]'s bytes no shared tensor holds.
     consumed: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
-    delta: tuple[int, ...] | None = None  # None: as x (see delta_bytes)
+    #: length L+1, bytes of δ_i; None: as ``x`` (read :attr:`delta_bytes`). A profile measures it: tensors that need
+    #: no gradient (token ids, masks) have none; a broadcast view's gradient is larger than its storage (§3.2).
+    delta: tuple[int, ...] | None = None
+    #: per stage, bytes of δ_{i+1} that B(i) hands on unchanged in δ_i, at most the smaller of the two (§3.2).
     delta_through: tuple[int, ...] = None  # type: ignore[assignment]  # default: zeros
+    #: indices into ``shared`` of tensors crossing cuts ``(first, first + 1)`` that only B(last) needs, freed once it
+    #: has run when x_last is the output inside x̄_{last-1} (§8).
     consumed_shared: tuple[int, ...] = ()
-    nograd_tmp: tuple[int, ...] | None = None  # None: as fwd_tmp (see nograd_tmp_bytes)
+    #: transient bytes of a forward without autograd (``Fck``, ``Fn``); None: as ``fwd_tmp`` (:attr:`nograd_tmp_bytes`).
+    nograd_tmp: tuple[int, ...] | None = None
+    #: the memory no schedule changes (parameters, gradients, optimizer state, buffers, the step's transient, a
+    #: sharding factor, §7); with it ``simulate(...).device_peak`` predicts the whole step.
     fixed: FixedMemory | None = None
+    #: the fields as functions of the batch size (§7.3), for :meth:`at_batch`.
     batch_fit: BatchFit | None = None
+    #: disjoint sorted tuples (two or more) of structurally identical stages whose times were set to the median of
+    #: the copies, so that noise does not decide which copy is recomputed (§10.1; ``hcv.profile`` finds them).
     tied: tuple[tuple[int, ...], ...] = ()
+    #: per ``tied`` set, ``(fwd, bwd)``: half the copies' range over the median (0.2: ±20%); :meth:`timing_note`.
     copy_spread: tuple[tuple[float, float], ...] = ()
+    #: seconds each separate backward call costs beyond its stages' shares, charged once per group of stages whose
+    #: graphs the executor joins (store-all: one call; §3.3).
     backward_call: float = 0.0
 
     def __post_init__(self) -> None:
