@@ -5,6 +5,7 @@
   plotly, ipywidgets or anywidget (the GPU machine has none), and writes a report with every section.
 - The runner keeps what a section wrote when it fails or runs past its time box; a missing package is one
   "skipped" line.
+- The pipeline section's per-stage predictions (issue #42) are in the dry run's report.
 - The mixed-precision section's training check (autocast bf16, fp16 with a GradScaler) runs on the CPU too.
 """
 
@@ -110,6 +111,10 @@ def test_dry_run_writes_every_section_without_plotly(tmp_path, no_widgets):
         assert f"- training under autocast {dtype} (" in amp
     assert amp.count("losses equal") == 2 and "more than" not in amp
     assert amp.count("| store-all |") == 2 and "throughput gain over checkpoint_sequential" in amp
+    # pipeline plans: per-stage predictions at P = 2 and 4, two limits each, beside both baselines
+    pipe = report.split("## Pipeline plans")[1].split("\n## ")[0]
+    assert "**P = 2**" in pipe and "**P = 4**" in pipe
+    assert pipe.count("| least ") == 2 + 4 and pipe.count("| halfway ") == 2 + 4
     # the native form compiled whole, through bench compile's own code
     native = report.split("## torch.compile of the whole model")[1].split("\n## ")[0]
     assert "nanogpt native: vs torch.compile budget at equal measured memory" in native

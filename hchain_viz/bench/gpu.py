@@ -19,6 +19,9 @@ also printed at the end. Sections, in order:
 - ``amp``: nanoGPT under ``torch.autocast`` to bfloat16, and to float16 with ``torch.amp.GradScaler``: the applied
   schedule's losses and gradients against plain training in the same precision, then the fidelity table profiled
   and measured under that autocast (bfloat16 with the comparison against ``checkpoint_sequential``);
+- ``pipeline``: a GPT-style decoder profiled on the GPU with AdamW at the microbatch size; for P = 2 and 4 pipeline
+  stages (1F1B), the plan's predicted per-stage peaks (fixed, in flight, working) and step time at the least
+  per-device memory and halfway to store-all, against both baselines: predictions only, one device being there;
 - ``native``: ``bench compile --native`` on nanoGPT on the GPU: the schedule as checkpoint regions, the whole model
   compiled by inductor, against ``torch.compile``'s ``activation_memory_budget`` at equal measured memory.
 
@@ -64,6 +67,7 @@ SECTIONS: dict[str, tuple[str, int]] = {
     "sublayer": ("Sub-layer granularity (issue #10)", 150),
     "fixed": ("Whole-step memory: fixed part with the optimizer (issue #12)", 90),
     "amp": ("Mixed precision: autocast bfloat16, and float16 with a GradScaler (issue #39)", 120),
+    "pipeline": ("Pipeline plans profiled on one GPU: predicted per-stage peaks (issue #42)", 45),
     # last: compiling takes minutes (on an H200: 68 s for compile's 3 knob graphs, 43 s to profile the compiled
     # stages of one form, about 18 s per candidate; two forms of two candidates each), so it gets what is left
     "native": ("torch.compile of the whole model with the schedule inside (issue #22)", 260),
@@ -877,6 +881,54 @@ def section_native(ctx: Ctx) -> str:
     return lines[0].split(": ", 1)[1] if lines else "ok"
 
 
+# ---------------------------------------------------------------------------------------------- pipeline (#42)
+PIPELINE_SIZE = dict(batch=4, seq=512, dim=384, heads=6, layers=8, vocab=4096)  # per microbatch
+PIPELINE_QUICK = dict(batch=2, seq=16, dim=32, heads=2, layers=4, vocab=64)
+PIPELINE_M = 8  # microbatches per step
+
+
+def section_pipeline(ctx: Ctx) -> str:
+    """Per-stage predictions of pipeline plans for a chain profiled on this device (docs/design.md §12)."""
+    import torch
+
+    from ..core.pipeline import Pipeline
+    from ..core.units import format_bytes, format_time
+    from ..runtime.models import transformer_chain
+    from ..runtime.profile import profile
+
+    size = PIPELINE_QUICK if ctx.quick else PIPELINE_SIZE
+    model, x, loss_fn = transformer_chain(**size, dropout=0.0, device=ctx.device)
+    chain = profile(model, x, loss_fn, optimizer=torch.optim.AdamW(model.parameters()), warmup=1 - ctx.quick,
+                    repeats=1 if ctx.quick else 3, progress=False)
+    del model, x, loss_fn
+    _free(ctx.device)
+    ctx.write(f"transformer_chain({size}) profiled on {ctx.device} with AdamW, one microbatch; M = {PIPELINE_M}, "
+              f"1F1B. Predictions only (one device): peak = fixed + in flight + working per stage.")
+    for P in (2, 4):
+        if ctx.expired():
+            ctx.write(f"- P = {P}: not run (time box)")
+            return "partial"
+        pipe = Pipeline(chain, P)
+        least = pipe.least_memory(PIPELINE_M)
+        top = pipe.plan(PIPELINE_M, 2**60).peak
+        rows = []
+        for name, limit in (("least", least), ("halfway", (least + top) // 2)):
+            plan = pipe.plan(PIPELINE_M, limit)
+            base = {k: v.step_time if v else None for k, v in pipe.baselines(PIPELINE_M, limit).items()}
+            for s, st in enumerate(plan.stages):
+                rows.append((f"{name} {format_bytes(limit)}", s, f"{chain.names[st.first]}..{chain.names[st.end - 1]}",
+                             st.in_flight, format_bytes(st.fixed), format_bytes(st.in_flight_bytes),
+                             format_bytes(st.working), format_bytes(st.peak), st.schedule.n_recomputed,
+                             format_time(plan.step_time) if s == 0 else "",
+                             " / ".join(format_time(t) if t else "does not fit" for t in base.values()) if s == 0
+                             else ""))
+        ctx.write(f"\n**P = {P}**: least per-device memory {format_bytes(least)}, nothing faster above "
+                  f"{format_bytes(top)}\n")
+        ctx.table(("limit", "stage", "layers", "in flight", "fixed", "in flight bytes", "working", "peak",
+                   "recomputed", "plan step", "(i) uniform / (ii) per-stage step"), rows)
+    return "ok"
+
+
 RUNNERS: dict[str, Callable[[Ctx], str]] = {
     "env": section_env,
     "pytest": section_pytest,
@@ -885,5 +937,6 @@ RUNNERS: dict[str, Callable[[Ctx], str]] = {
     "sublayer": section_sublayer,
     "fixed": section_fixed,
     "amp": section_amp,
+    "pipeline": section_pipeline,
     "native": section_native,
 }
