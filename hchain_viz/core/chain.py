@@ -103,7 +103,8 @@ class Chain:
     #: indices into ``shared`` of tensors crossing cuts ``(first, first + 1)`` that only B(last) needs, freed once it
     #: has run when x_last is the output inside x̄_{last-1} (§8).
     consumed_shared: tuple[int, ...] = ()
-    #: transient bytes of a forward without autograd (``Fck``, ``Fn``); None: as ``fwd_tmp`` (:attr:`nograd_tmp_bytes`).
+    #: transient bytes of a forward without autograd (``Fck``, ``Fn``); None: as ``fwd_tmp``
+    #: (read :attr:`nograd_tmp_bytes`).
     nograd_tmp: tuple[int, ...] | None = None
     #: the memory no schedule changes (parameters, gradients, optimizer state, buffers, the step's transient, a
     #: sharding factor, §7); with it ``simulate(...).device_peak`` predicts the whole step.

@@ -1,44 +1,46 @@
-"""Profile a real PyTorch model into a :class:`~hchain_viz.core.chain.Chain` (DESIGN §2): per-stage times and sizes.
+"""Profile a real PyTorch model into a :class:`~hchain_viz.core.chain.Chain`: per-stage times and sizes.
 
-The model is cut into stages by :func:`~hchain_viz.runtime.stages.sequentialize`; then each stage is profiled on its
-own, in order, on the real output of the stage before (only one stage's autograd graph is alive at a time):
-
-- ``fwd_time`` / ``bwd_time``: medians of ``repeats`` runs after ``warmup`` runs — a forward with autograd recording,
-  then the backward from the output gradient (CUDA events on a GPU, ``perf_counter`` on the CPU). The last stage's
-  output gradient is the real loss gradient; the others get a dense tensor of ones of the right size.
-  Each backward so timed is a call of its own; ``backward_call`` is what such a call costs beyond the stage's share
-  of a backward through several stages (the engine's start, the input gradients handed between calls), measured on
-  up to ``CALL_PAIRS`` pairs of neighbours run backward as one call and apart (:func:`_call_cost`); ``bwd_time`` is
-  the share, the measured time less ``backward_call``, which the simulator charges once per call (DESIGN §4).
-- ``x[i]``: bytes of stage i's input (``x[L]``: the network output, and the loss computed from it with the gradient
-  its backward starts from, which the caller holds to the end of the step), each storage counted once.
-- ``xbar[i]``: the output plus what autograd saves for the backward, seen through
-  ``torch.autograd.graph.saved_tensors_hooks``: each storage once, only storages the forward created (parameters,
-  buffers, the stage input and constants are resident anyway).
-- ``delta[i]``: bytes of the gradient δ_i the backward of stage i leaves (``delta[L]``: the loss's gradient of
-  the output); ``delta_through[i]``: how much of it is δ_{i+1} handed on unchanged (the gradient of a tensor the
-  stage passes on and does not use, which the input takes as it is), no new memory.
-- ``transit[i]``: bytes of x_i that no backward needs — storages stage i-1 made and neither its saved tensors nor
-  stage i's hold, and that stage i does not hand on (the pre-softmax scores; q and k that an attention product copies
-  before saving): the executor frees them once Fall(i) has run (``memtrack.transit_storages``).
-- ``consumed[i]``: bytes of x_i that only B(i) needs — storages stage i-1 made and did not save, that stage i saves
-  and does not hand on (the MLP's hidden activation, which the down-projection saves): the executor frees them once
-  B(i) has run, when x_i is the output inside x̄_i (``memtrack.consumed_storages``).
-- ``fwd_tmp[i]``: peak bytes above the resident set during the recording forward (a ``Fall``), beyond what it
-  leaves; ``nograd_tmp[i]``: the same for a forward without autograd (``Fck``, ``Fn``), whose intermediates are not
-  saved; ``bwd_tmp[i]``: the same for the backward, beyond the input gradient.
-  The backward is measured as the executor runs it, with δ_{i+1} handed over to autograd (freed as soon as it is
-  done with it), plus ``BACKWARD_SLACK``; where the next stage's backward makes δ_{i+1} in another layout than
-  x_{i+1}'s, as it arrives inside a joined backward, it is measured again in that one and the larger kept
-  (:func:`_relayout`; each stage's input is held to the end of profiling for this). Measured by
-  :class:`~hchain_viz.runtime.memtrack.MemoryMeter` (CUDA statistics, or the allocator's own log of allocations and
-  frees on the CPU, which leaves compiled stages compiled).
-
-Profiling leaves the model exactly as found: parameters, buffers (BatchNorm statistics), ``.grad``, training flags
-and the global RNG state are the same afterwards. During profiling every parameter has a zero gradient of its own,
-as in training after the first step, so accumulating into it is measured as a transient, never as a new resident.
+The model is cut into stages by :func:`~hchain_viz.runtime.stages.sequentialize`, then each stage is measured on its
+own, in order, on the real output of the stage before (one stage's autograd graph alive at a time); the model is
+left exactly as found. What each field measures: NOTE [how the fields are measured] below; the fields:
+docs/design.md §2.
 """
 
+# NOTE [how the fields are measured] (docs/design.md §2, §3.4), each stage on the real output of the one before:
+# - ``fwd_time`` / ``bwd_time``: medians of ``repeats`` runs after ``warmup`` runs — a forward with autograd recording,
+#   then the backward from the output gradient (CUDA events on a GPU, ``perf_counter`` on the CPU). The last stage's
+#   output gradient is the real loss gradient; the others get a dense tensor of ones of the right size.
+#   Each backward so timed is a call of its own; ``backward_call`` is what such a call costs beyond the stage's share
+#   of a backward through several stages (the engine's start, the input gradients handed between calls), measured on
+#   up to ``CALL_PAIRS`` pairs of neighbours run backward as one call and apart (:func:`_call_cost`); ``bwd_time`` is
+#   the share, the measured time less ``backward_call``, which the simulator charges once per call (DESIGN §4).
+# - ``x[i]``: bytes of stage i's input (``x[L]``: the network output, and the loss computed from it with the gradient
+#   its backward starts from, which the caller holds to the end of the step), each storage counted once.
+# - ``xbar[i]``: the output plus what autograd saves for the backward, seen through
+#   ``torch.autograd.graph.saved_tensors_hooks``: each storage once, only storages the forward created (parameters,
+#   buffers, the stage input and constants are resident anyway).
+# - ``delta[i]``: bytes of the gradient δ_i the backward of stage i leaves (``delta[L]``: the loss's gradient of
+#   the output); ``delta_through[i]``: how much of it is δ_{i+1} handed on unchanged (the gradient of a tensor the
+#   stage passes on and does not use, which the input takes as it is), no new memory.
+# - ``transit[i]``: bytes of x_i that no backward needs — storages stage i-1 made and neither its saved tensors nor
+#   stage i's hold, and that stage i does not hand on (the pre-softmax scores; q and k that an attention product copies
+#   before saving): the executor frees them once Fall(i) has run (``memtrack.transit_storages``).
+# - ``consumed[i]``: bytes of x_i that only B(i) needs — storages stage i-1 made and did not save, that stage i saves
+#   and does not hand on (the MLP's hidden activation, which the down-projection saves): the executor frees them once
+#   B(i) has run, when x_i is the output inside x̄_i (``memtrack.consumed_storages``).
+# - ``fwd_tmp[i]``: peak bytes above the resident set during the recording forward (a ``Fall``), beyond what it
+#   leaves; ``nograd_tmp[i]``: the same for a forward without autograd (``Fck``, ``Fn``), whose intermediates are not
+#   saved; ``bwd_tmp[i]``: the same for the backward, beyond the input gradient.
+#   The backward is measured as the executor runs it, with δ_{i+1} handed over to autograd (freed as soon as it is
+#   done with it), plus ``BACKWARD_SLACK``; where the next stage's backward makes δ_{i+1} in another layout than
+#   x_{i+1}'s, as it arrives inside a joined backward, it is measured again in that one and the larger kept
+#   (:func:`_relayout`; each stage's input is held to the end of profiling for this). Measured by
+#   :class:`~hchain_viz.runtime.memtrack.MemoryMeter` (CUDA statistics, or the allocator's own log of allocations and
+#   frees on the CPU, which leaves compiled stages compiled).
+#
+# Profiling leaves the model exactly as found: parameters, buffers (BatchNorm statistics), ``.grad``, training flags
+# and the global RNG state are the same afterwards. During profiling every parameter has a zero gradient of its own,
+# as in training after the first step, so accumulating into it is measured as a transient, never as a new resident.
 from __future__ import annotations
 
 import re
@@ -100,53 +102,32 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             compile: bool | Mapping[str, Any] = False, granularity: str | int | None = None,
             estimate_for: str | None = None, tie_identical: bool = True, selective: bool = False,
             autocast: torch.dtype | None = None) -> Chain:
-    """Measure ``model`` stage by stage on ``sample_input`` and return its :class:`Chain`.
+    """Measure ``model`` stage by stage on ``sample_input`` and return its :class:`Chain` (docs/design.md §2).
 
-    ``model``: an ``nn.Sequential`` (nested ones flattened), a list of modules or ``(name, module)`` pairs, or any
-    model :func:`sequentialize` understands. Stages are called with one argument, as in ``nn.Sequential``.
-    ``loss_fn(output) -> scalar`` gives the last stage its real output gradient; by default
-    :func:`~hchain_viz.runtime.measure.default_loss` (mean of squares, whose gradient is a tensor the size of the
-    output). ``device``: where to run (default: the model's device); the model must already be there.
-    ``progress``: show a progress bar while profiling takes more than a moment (in a notebook, a widget that leaves a
-    line of text behind).
+    Args:
+        model: anything :func:`sequentialize` cuts; each stage is called with one argument, as in ``nn.Sequential``.
+        loss_fn: ``loss_fn(output) -> scalar`` for the last stage's real output gradient (default: mean of squares).
+        device: where to run (default: the model's device, where the model must already be).
+        progress: a progress bar while profiling takes more than a moment (in a notebook, a widget).
+        estimate_for: ``"H100"``, ``"A100"`` or ``"H200"``: roofline times for that GPU (:mod:`.roofline`), sizes
+            measured; ``meta["times"]`` says "estimate", ``meta["measured_fwd_time"]`` / ``["measured_bwd_time"]``
+            keep the real ones.
+        optimizer, world_size: the step's real optimizer and the ranks sharding its state (FSDP, ZeRO-3), for
+            ``Chain.fixed``: the whole step's memory, measured by two real steps undone afterwards (§7).
+        compile, selective: profile each stage compiled, as ``wrap(..., compile=True)`` runs it; with
+            ``selective``, under selective checkpointing as ``apply(..., native=True, selective=True)`` (§5.3).
+            Untimed warm-up runs compile the graphs; ``meta["compile"]``, ``meta["selective"]`` record it.
+        granularity: how finely extraction cuts a traced model (:func:`~hchain_viz.runtime.graph.extract_stages`);
+            ``groups``, ``tags`` and ``shared`` come from it (§8).
+        tie_identical: give identical stages the median of their times, so noise never picks the copy to
+            recompute (§10.1; ``Chain.tied``, ``copy_spread``, ``meta["untied_time"]``).
+        autocast: profile under ``torch.autocast(device, dtype=autocast)``; without it, in the precision active
+            around the call, e.g. before ``Trainer(bf16=True)`` enters it (§11). ``meta["precision"]`` names it; a
+            schedule applied with this chain warns at a step run in another.
 
-    ``estimate_for="H100"`` (or ``"A100"``, ``"H200"``): replace the measured times by a roofline *estimate* for that
-    GPU from each stage's FLOP and byte counts (:mod:`~hchain_viz.runtime.roofline`); sizes stay measured.
-    ``meta["times"]`` says "estimate" and ``meta["measured_fwd_time"]`` / ``["measured_bwd_time"]`` keep the real ones.
-
-    ``optimizer``: the training step's real optimizer, built on ``model``'s parameters. With it, ``Chain.fixed``
-    records the memory no schedule changes — parameters, their gradients, the optimizer's state and its step's
-    transient (measured by two real steps on zero gradients, undone afterwards), buffers — so that
-    ``simulate(...).device_peak`` and ``solution.schedule(device_memory=...)`` answer for the whole step (DESIGN §7).
-    ``world_size``: the number of ranks sharding parameters, gradients and optimizer state (FSDP / ZeRO-3).
-    ``compile``: profile each stage compiled by ``torch.compile``, as ``hcv.wrap(model, schedule, compile=True)``
-    runs it (``True``, or a dict of ``torch.compile`` arguments; see ``runtime/compiled.py``): times of the compiled
-    forward and backward, x̄ = the output plus what the compiled graph saves for its backward, and the transients of
-    the compiled code. At least one untimed warm-up run compiles the graphs; ``meta["compile"]`` records the setting.
-    ``selective`` (with ``compile``): each stage under selective activation checkpointing, as ``hcv.apply(model,
-    schedule, native=True, selective=True)`` runs it (``runtime/native.py``: the outputs of matrix products and
-    convolutions saved, the rest recomputed in the stage's backward); ``meta["selective"]`` is then True.
-
-    ``granularity``: how finely graph extraction cuts a model it has to trace (see
-    :func:`~hchain_viz.runtime.graph.extract_stages`): ``"sublayer"`` cuts transformer layers inside, where the
-    residual stream and the current value cross. The chain's ``groups`` (the stages of each layer) and ``tags``
-    (``"attn_core"``) come from the extraction; ``shared`` lists the tensors that a stage passes on unchanged
-    (same storage) across consecutive boundaries, such as the residual stream inside a layer or an attention mask.
-
-    ``tie_identical`` (default True): structurally identical stages (same module types, parameter shapes and input
-    shapes: the copies of a transformer layer, or of one of its sub-layer parts) get one cost, the median of their
-    measured times, so that noise never decides which copy is recomputed (DESIGN §10). ``Chain.tied`` lists them,
-    ``Chain.copy_spread`` keeps how much the copies differed and ``meta["untied_time"]`` the times as measured;
-    ``Chain.timing_note()`` says it in one line.
-
-    ``autocast``: profile under ``torch.autocast(device, dtype=autocast)`` (``torch.bfloat16`` or
-    ``torch.float16``), as the training step will run, for a caller that profiles before its trainer enters autocast
-    (``Trainer(bf16=True)``). Without it, the profile runs in the precision active around the call: under an
-    autocast, what that precision saves is measured (docs/design.md §11, docs/train.md). ``meta["precision"]``
-    names it; a schedule applied with this chain warns at the first training step run in another.
-
-    ``Chain.meta`` records the device, dtype, precision, ``param_bytes`` (parameters plus their gradients, reported
-    beside the budget, not in it), model class, input shape, torch version and the profiling settings.
+    Returns:
+        The chain; its ``meta`` records the device, dtype, precision, ``param_bytes`` (parameters and their
+        gradients, reported beside the budget, not in it), model class, input shape, torch version and settings.
     """
     if not isinstance(warmup, int) or warmup < 0:
         raise ProfileError(f"warmup must be a non-negative integer, got {warmup!r}")
