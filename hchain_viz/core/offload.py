@@ -1,61 +1,43 @@
-"""Recompute or offload (DESIGN §9): schedules that mix recomputation with copies to host memory.
+"""Recompute or offload: schedules that mix recomputation with copies to host memory (docs/design.md §9.2).
 
 ``solve(chain, offload=True)`` (or :func:`solve_offload`) returns an :class:`OffloadSolution`: for each budget, the
-fastest schedule this module finds among remat-only optima, those optima with ``Off``/``Pre`` pairs added, and
-remat optima of chains whose offloaded x̄ are discounted (step 4), with those x̄ offloaded.
-
-The algorithm is a heuristic judged by the simulator, not an exact DP. Why: the exact problem is NP-hard in general
-(Beaumont, Eyraud-Dubois, Shilova 2021); their DP is exact only on a coarse time/memory grid and is cubic in memory,
-which would not answer a budget slider within 100 ms at L = 50. What it does, for a budget ``B``:
-
-1. Candidates are remat-only optimal schedules at budgets ``B' >= B`` (the remat frontier's breakpoints: the nearest
-   densely, farther ones at geometric distances, a few dozen at most, tried fastest first): each is faster than the
-   optimum at ``B`` but may peak above ``B``. Between the fastest candidate that fits by offload and the next faster
-   one tried, the breakpoints are bisected (fitting gets harder as ``B'`` grows, so the best start is usually near
-   that boundary; a handful more fits).
-2. *Fit by offload*: the excess of each op over ``B`` is covered greedily. A value (x̄_{i+1} left by ``Fall(i)``, or
-   a checkpoint x_i kept by ``Fck(i)``) that sits unused between two of its uses can go to the host in between:
-   ``Off(i)`` right after the first use, ``Pre(i)`` as late as the link allows it to arrive before the second use
-   (copy time ``bytes / bandwidth``, measured against the simulated compute times). Each pick covers the ops that run
-   while the value is on the host; the op with the largest remaining excess is covered first, by the largest value
-   idle across it whose copies hide behind compute (a copy that would make compute wait is a last resort).
-3. The simulator judges: the fitted schedule is replayed (transfer channels, idle waits, frees at copy completion);
-   if its peak still exceeds ``B`` the cover is repeated on the replayed trace, a few rounds at most. A later round
-   starts from the replay's own excess (the pairs already chosen are in it, not counted twice) and from when each
-   chosen ``Off`` really completed: on a link slower than the chain makes activations the offloads queue behind one
-   another, and a value frees its bytes only when its copy is done.
-4. *Offload-discounted remat* (the one step that changes recomputation to make room for transfers): stages are
-   ranked by the compute between the two uses of their x̄_{i+1} (store-all times) per byte, where a copy hides best;
-   for each prefix S of that ranking whose volume is a share (1/4, 1/2, 3/4, 1, 3/2) of what the link moves during
-   one forward, the remat-only DP is solved once, at precompute, on a chain where each x̄_{i+1} of S costs only
-   x_{i+1} (the DP then stores those stages rather than recompute them). At a budget, each of these solutions'
-   breakpoints faster than the best so far gets ``Off(i)`` for S after the forward that last reads x_{i+1} and
-   ``Pre(i)`` as late as lets it arrive before the backward (prefetches placed from the last back, one channel);
-   the largest breakpoint whose replay fits is bisected for. These candidates stand beside those of steps 1-3.
-5. The answer is the fastest simulated candidate within ``B``, or the remat-only optimum at ``B`` when nothing beats
-   it: by construction never slower than remat-only, and every answer has been simulated.
-
-What it cannot do: the discount of step 4 is all or nothing on a fixed ranking and forgets that a prefetched value is
-back on the device some time before its backward, so at budgets near the remat-only least one (where that time
-holds memory the DP gave away) its candidates do not fit and the answer comes from steps 1-3, which only add
-transfers to remat-only optima (e.g. a segment whose x̄ are all needed again within one copy time stays
-uncoverable); bench offload: llama-7b at PCIe 5.0 at 5% of the way from the least budget still removes only 2%. The
-exact joint problem is the NP-hard one above. Checked against the exhaustive search of tests/oracles.py (every
-remat-only sequence with up to one, or on 2-stage chains two, Off/Pre pairs at every pair of positions) on random
-integer chains of 1-3 stages, seeds 0-29 at three bandwidths (373 (chain, budget) pairs): optimal on 370,
-at worst 14.3% slower (a ratio of 8/7), 0.07% slower on average, the same with step 4 as without (tests/
-test_offload.py checks seeds 0, 1 and 4). These tiny chains never queue copies, so the replay rounds of step 3 and
-the bisection of step 1 do not change those numbers; they matter on long chains with a slow link, as step 4 does
-(bench offload at PCIe 5.0, overhead removed where remat-only costs >= 10%: llama-7b 29% without step 4, 42% with
-it, at 4.56, 8.21, 11.9 GiB 35/37/42% became 39/50/76%; synthetic 9% to 10%; precompute of llama-7b's default grid
-about 7 s before, 7-15 s with it, on two busy cores). Tried and dropped, for no gain on those chains: moving
-prefetches earlier to remove idle waits (there the prefetch channel is busy back to back through the backward, so the
-waits come from the volume offloaded, which the choice of starting schedule already trades against recomputation).
-
-Budgets are answered from a precomputed grid (``grid`` budgets from half the remat-only least budget to the
-store-all peak, denser near the least budget): the answer at ``b`` is the better of the remat-only optimum at ``b``
-and the grid answer at the largest grid budget ``<= b``.
+fastest schedule found among remat-only optima, those optima with ``Off``/``Pre`` pairs added, and remat optima of
+chains whose offloaded x̄ are discounted. It is a heuristic judged by the simulator, never slower than remat-only
+(NOTE [offload heuristic]). Budgets are answered from a precomputed grid (``grid`` budgets from half the remat-only
+least budget to the store-all peak, denser near the least): the answer at ``b`` is the better of the remat-only
+optimum at ``b`` and the grid answer at the largest grid budget ``<= b``. Measured: docs/benchmarks.md (Recompute
+or offload).
 """
+
+# NOTE [offload heuristic]. The exact problem is NP-hard (Beaumont, Eyraud-Dubois, Shilova 2021); their DP is exact
+# only on a coarse time/memory grid and cubic in memory, too slow for a budget slider (100 ms at L = 50). For a
+# budget B:
+# 1. Candidates are remat-only optima at budgets B' >= B (the remat frontier's breakpoints: the nearest densely,
+#    farther ones at geometric distances, a few dozen at most, fastest first): each is faster than the optimum at B
+#    but may peak above it. Between the fastest candidate that fits by offload and the next faster one tried, the
+#    breakpoints are bisected (fitting gets harder as B' grows, so the best start is usually near that boundary).
+# 2. Fit by offload: the excess of each op over B is covered greedily. A value (x̄_{i+1} left by Fall(i), or a
+#    checkpoint x_i kept by Fck(i)) idle between two of its uses can go to the host in between: Off(i) right after
+#    the first use, Pre(i) as late as the link lets it arrive before the second (copy time bytes / bandwidth, against
+#    the simulated compute times). The op with the largest remaining excess is covered first, by the largest value
+#    idle across it whose copies hide behind compute (a copy that makes compute wait is a last resort).
+# 3. The simulator judges: the fitted schedule is replayed (transfer channels, idle waits, frees at copy completion);
+#    while its peak exceeds B the cover is repeated on the replayed trace, a few rounds at most, from the replay's own
+#    excess and from when each chosen Off really completed (on a slow link offloads queue behind one another, and a
+#    value frees its bytes only when its copy is done).
+# 4. Offload-discounted remat (the one step that changes recomputation to make room for transfers): stages are
+#    ranked by the compute between the two uses of their x̄_{i+1} (store-all times) per byte, where a copy hides best;
+#    for each prefix S of that ranking whose volume is a share (1/4, 1/2, 3/4, 1, 3/2) of what the link moves during
+#    one forward, the remat-only DP is solved once, at precompute, on a chain where each x̄_{i+1} of S costs only
+#    x_{i+1} (so the DP stores those stages). At a budget, each such solution's breakpoints faster than the best so
+#    far get Off(i) for S after the forward that last reads x_{i+1} and Pre(i) as late as lets it arrive before the
+#    backward (placed from the last back, one channel); the largest breakpoint whose replay fits is bisected for.
+# 5. The answer is the fastest simulated candidate within B, or the remat-only optimum at B when nothing beats it.
+# What it cannot do: step 4's discount is all or nothing on a fixed ranking and forgets that a prefetched value is
+# back on the device some time before its backward, so near the remat-only least budget its candidates do not fit
+# and the answer comes from steps 1-3, which only add transfers to remat-only optima (a segment whose x̄ are all
+# needed again within one copy time stays uncoverable). Checked against the exhaustive search of tests/oracles.py
+# (docs/design.md §9.2, tests/test_offload.py).
 
 from __future__ import annotations
 

@@ -1,50 +1,47 @@
-"""The one memory and time model (DESIGN §3): replay a schedule on a chain, op by op.
+"""The one memory and time model: replay a schedule on a chain, op by op (docs/design.md §3, §9.1).
 
 ``simulate(chain, schedule)`` is the ground truth every strategy is scored by and the solver is checked against.
 It returns a :class:`Trace` with, per op, its start and end time, memory before / at its peak / after, and which
-items are resident, so figures never recompute memory themselves.
+items are resident, so figures never recompute memory themselves. The resident items' kinds and transfers:
+NOTE [resident items], NOTE [transfers].
 
-Resident items (``Item.kind``):
-
-- ``"x"``: a plain activation x_i (a checkpoint, or the input of the next no-grad forward). x_0 is the caller's
-  input, resident for the whole step.
-- ``"xbar"``: x̄_{i+1}, what ``Fall(i)`` leaves (the output plus autograd's saved tensors).
-- ``"out"``: the network output x_L, held by the caller from its first computation to the end of the step. When the
-  first forward of stage L-1 is a ``Fall``, the output lives inside x̄_L, so that ``xbar`` item carries only
-  ``xbar[L-1] - x[L]`` bytes beside it; a recomputed ``Fall(L-1)`` holds a full second copy.
-- ``"delta"``: a gradient δ_i (``chain.delta_bytes[i]`` bytes, ``x[i]`` unless profiled); δ_L is created by the loss.
-  B(i) peaks at δ_i's bytes less ``chain.delta_through[i]`` (the tensors of δ_{i+1} it hands on unchanged, which
-  become part of δ_i as δ_{i+1} goes) plus its transient.
-- ``"transit"``: the part of x_i that no backward needs (``chain.transit[i]`` bytes: made by stage i-1, saved by
-  neither B(i-1) nor B(i), not handed on). It comes with the value that holds x_i (a plain ``x``, or the ``xbar`` of
-  stage i-1, which carry it less) and goes after ``Fall(i)``, the last forward of stage i before B(i) (no forward of i
-  can run between them), or with its holder if that goes first. Schedules with transfers keep it with its holder
-  (the executor moves whole values), so they are charged as before.
-- ``"consumed"``: the part of x_i that B(i) needs and B(i-1) does not (``chain.consumed[i]`` bytes). It comes with
-  the value that holds x_i, as the transit part does, and goes after ``B(i)`` (or with its holder): it matters when x_i
-  is the output inside x̄_i, which stays until B(i-1). Also kept with its holder by schedules with transfers.
-- ``"shared"``: one copy of a tensor that several cuts share (``chain.shared``, DESIGN §8: the residual stream inside
-  a layer), ``stage`` = the first cut that holds it. It is resident while any value above holds it, and those values
-  leave its bytes out of their own size, so it is counted once. A forward passes its input's copy on to its output; a
-  (re)computation of the stage that makes the tensor makes a new copy. δ's never share. An offloaded value keeps its
-  hold on a shared copy, which stays on the device (a conservative rule for transfers).
-
-Transfers (DESIGN §9): ``Off(i)`` / ``Pre(i)`` run on a transfer channel beside the compute stream, at
-``chain.bandwidth`` bytes/s, one channel each way (full duplex). Compute ops run in schedule order on the compute
-stream; transfers run in schedule order on their channel and start no earlier than the end of the compute op listed
-before them (the point where the executor records the event the copy stream waits for). ``Off(i)`` moves x̄_{i+1}
-(left by ``Fall(i)``), else the checkpoint x_i kept by ``Fck(i)``; its device bytes are freed when the copy
-completes. ``Pre(i)`` brings it back; its device bytes are allocated when the copy starts, and a compute op that
-needs the value waits for the copy to finish (an idle wait, recorded in ``Trace.idle``). Between ``Off(i)`` and
-``Pre(i)`` no compute op may use the value. Memory is replayed as a time-ordered list of changes (ties in schedule
-order; a completed offload frees before anything else happens at that instant), so a schedule without transfers
-gives exactly the sequential numbers of DESIGN §3.
-
-Checkpoints persist: once ``Fck(k)`` has kept x_k, only ``B(k)`` frees it (a later ``Fn(k)`` may not drop it). This
-is the class of schedules the optimal DP searches (Rotor's model), which keeps "optimal" exact in this model.
-Dropping a kept checkpoint early and recomputing it later from an earlier one is occasionally faster on tiny
-chains, and is outside the model (tests/test_solver.py::test_non_persistent_schedules_are_outside_the_model).
+Checkpoints persist: once ``Fck(k)`` has kept x_k, only ``B(k)`` frees it. This is the class of schedules the
+optimal DP searches (Rotor's model), which keeps "optimal" exact here; dropping a kept checkpoint early is outside
+the model (docs/design.md §3.5; tests/test_solver.py::test_non_persistent_schedules_are_outside_the_model).
 """
+
+# NOTE [resident items] (Item.kind):
+# - "x": a plain activation x_i (a checkpoint, or the input of the next no-grad forward). x_0 is the caller's input,
+#   resident for the whole step.
+# - "xbar": x̄_{i+1}, what Fall(i) leaves (the output plus autograd's saved tensors).
+# - "out": the network output x_L, held by the caller from its first computation to the end of the step. When the
+#   first forward of stage L-1 is a Fall, the output lives inside x̄_L, so that xbar item carries only
+#   xbar[L-1] - x[L] bytes beside it; a recomputed Fall(L-1) holds a full second copy.
+# - "delta": a gradient δ_i (chain.delta_bytes[i] bytes, x[i] unless profiled); δ_L is created by the loss. B(i)
+#   peaks at δ_i's bytes less chain.delta_through[i] (the tensors of δ_{i+1} it hands on unchanged, which become
+#   part of δ_i as δ_{i+1} goes) plus its transient.
+# - "transit": the part of x_i no backward needs (chain.transit[i]). It comes with the value that holds x_i (a plain
+#   x, or the xbar of stage i-1, which carry it less) and goes after Fall(i), the last forward of stage i before B(i)
+#   (no forward of i can run between them), or with its holder if that goes first.
+# - "consumed": the part of x_i that B(i) needs and B(i-1) does not (chain.consumed[i]). It comes with its holder as
+#   the transit part does and goes after B(i) (or with its holder): it matters when x_i is the output inside x̄_i,
+#   which stays until B(i-1). Schedules with transfers keep transit and consumed bytes with their holder (the
+#   executor moves whole values).
+# - "shared": one copy of a tensor that several cuts share (chain.shared, docs/design.md §8: the residual stream
+#   inside a layer), stage = the first cut that holds it. Resident while any value holds it; those values leave its
+#   bytes out of their own size, so it is counted once. A forward passes its input's copy on to its output; a
+#   (re)computation of the stage that makes the tensor makes a new copy. δ's never share. An offloaded value keeps
+#   its hold on a shared copy, which stays on the device (a conservative rule for transfers).
+#
+# NOTE [transfers] (docs/design.md §9.1): Off(i) / Pre(i) run on a transfer channel beside the compute stream, at
+# chain.bandwidth bytes/s, one channel each way. Compute ops run in schedule order on the compute stream; transfers
+# run in schedule order on their channel and start no earlier than the end of the compute op listed before them (where
+# the executor records the event the copy stream waits for). Off(i) moves x̄_{i+1} (left by Fall(i)), else the
+# checkpoint x_i kept by Fck(i); its device bytes are freed when the copy completes. Pre(i) brings it back; its
+# device bytes are allocated when the copy starts, and a compute op that needs the value waits for the copy (an idle
+# wait, recorded in Trace.idle). Between Off(i) and Pre(i) no compute op may use the value. Memory is replayed as a
+# time-ordered list of changes (ties in schedule order; a completed offload frees before anything else happens at
+# that instant), so a schedule without transfers gives exactly the sequential numbers.
 
 from __future__ import annotations
 
