@@ -1,39 +1,22 @@
-"""Baseline checkpointing strategies, each a plain :class:`Schedule` scored by the one simulator (DESIGN §1, §3).
+"""Baseline checkpointing strategies, each a plain :class:`Schedule` scored by the one simulator (docs/design.md §10.3).
 
-The families, from fastest/largest to slowest/smallest:
+From fastest/largest to slowest/smallest: :func:`store_all` (no recomputation), :func:`periodic` / :func:`sqrt_n`
+(exactly ``torch.utils.checkpoint.checkpoint_sequential``), :func:`chen_greedy` (Chen et al. 2016's segmentation by
+accumulated activation size), :func:`revolve` (Griewank-Walther binomial checkpointing, every stage one uniform step)
+and :func:`recompute_all` (keep only the input). For chains grouped into layers and tagged (sub-layer profiles,
+docs/design.md §8): :func:`per_layer` (Hugging Face ``gradient_checkpointing_enable()``, Megatron full recomputation),
+:func:`selective` (Megatron's: recompute the ``"attn_core"`` stages), :func:`layer_periodic` /
+:func:`best_layer_periodic` (``checkpoint_sequential`` over whole layers, each ungrouped stage one unit) and
+:func:`megatron_block` / :func:`megatron_uniform` (``recompute_method="block"``: the first k layers recomputed one by
+one; ``"uniform"``: layers in groups of k), with :func:`best_megatron_block` / :func:`best_megatron_uniform`.
 
-- :func:`store_all`: keep everything autograd saves; no recomputation.
-- :func:`periodic` / :func:`sqrt_n`: exactly ``torch.utils.checkpoint.checkpoint_sequential``.
-- :func:`chen_greedy`: Chen et al. 2016's greedy segmentation by accumulated activation size.
-- :func:`revolve`: Griewank–Walther binomial checkpointing, treating every stage as one uniform step.
-- :func:`recompute_all`: keep only the input; recompute every stage's input from it.
-
-Transformer baselines, for chains whose stages are grouped into layers (``chain.groups``) and tagged
-(``chain.tags``), as sub-layer profiles are (DESIGN §8):
-
-- :func:`per_layer`: full per-layer recomputation (Hugging Face ``gradient_checkpointing_enable()``, Megatron
-  ``--recompute-granularity full``): keep each layer's input, recompute the layer in the backward.
-- :func:`selective`: Megatron's selective recomputation: keep everything except the core attention (stages tagged
-  ``"attn_core"``), which is recomputed in the backward.
-- :func:`layer_periodic` / :func:`best_layer_periodic`: ``checkpoint_sequential`` over whole layers (each ungrouped
-  stage, such as the embedding or the head, counts as one unit beside the layers).
-- :func:`megatron_block` / :func:`megatron_uniform`: Megatron-LM's ``recompute_granularity="full"`` with
-  ``recompute_method="block"`` (the first k layers recomputed one by one, the rest stored) or ``"uniform"`` (the
-  layers in groups of k, each group recomputed as one unit); :func:`best_megatron_block` /
-  :func:`best_megatron_uniform` pick the fastest k that fits a budget.
-
-They are reference points: the optimal solver's frontier lies on or below every one of them. A family that needs
-structure the chain lacks raises :class:`HChainError` saying how to get it; :func:`applicable` names the families a
-chain supports, and the registry helpers below skip the others.
-
-Two ways to use them besides calling the functions directly:
-
-- ``STRATEGIES[name](chain, budget=None) -> Schedule``: one signature for every family. ``budget`` (bytes or text
-  like ``"300MiB"``) selects the fastest schedule the family has within it; ``None`` means no limit (the family's
-  fastest schedule). A family with nothing under the budget raises :class:`InfeasibleBudget` carrying the least
-  budget it needs. For ``"periodic"`` the budget picks the segment count; ``periodic(chain, n)`` fixes it.
-- :func:`baseline_schedules` (every family at one budget, for a strategy selector) and :func:`frontier_points`
-  (every schedule of every family as a (simulated peak, makespan) point, for the time-vs-memory plot).
+The optimal solver's frontier lies on or below every one of them. A family that needs structure the chain lacks
+raises :class:`HChainError` saying how to get it; :func:`applicable` names the families a chain supports.
+``STRATEGIES[name](chain, budget=None)`` is one signature for every family: the fastest schedule within ``budget``
+(bytes or ``"300MiB"``; None: no limit; for ``"periodic"`` it picks the segment count, ``periodic(chain, n)`` fixes
+it), or :class:`InfeasibleBudget` carrying the least budget it needs;
+:func:`baseline_schedules` (every family at one budget) and :func:`frontier_points` (every schedule of every family
+as a (peak, makespan) point) serve the explorer.
 """
 
 from __future__ import annotations
