@@ -28,18 +28,11 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
         model: any ``nn.Module``; its parameters and buffers are shared with the stages, never copied.
         sample_input: a tensor (``model(x)``), a tuple/list (``model(*x)``) or a dict (``model(**x)``). Stage 0
             takes this same object.
-        granularity: ``None`` or ``"module"`` (default): cut only between whole blocks (a residual block, a
-            transformer layer; the layers before the first block form ``"stem"``, after the last ``"head"``). In an
-            encoder-decoder (a Hugging Face config with ``is_encoder_decoder``: BART, T5; a model holding an
-            ``encoder`` and a ``decoder``: ``nn.Transformer``) the encoder output crosses every cut of the decoder
-            beside its activation, in a tuple;
-            ``"sublayer"``: the blocks cut further inside, where a few tensors cross (the residual stream plus the
-            current value): after the qkv projection (``h.3.attn.qkv``), the attention scores, the probabilities
-            (``h.3.attn.probs``), probabilities times values (``h.3.attn.context``), the attention output
-            (``h.3.attn.out``), the MLP's up-projection and activation (``h.3.mlp.up``), ``h.3.mlp.down``; a
-            decoder's cross-attention gets the same parts under ``xattn`` (``decoder.layers.3.xattn.probs``); a
-            CNN's residual and dense blocks are cut after their convolutions (``layer3.2.conv2``), and its stem
-            between its layers (``stem.conv1``, ``stem.bn1..relu``);
+        granularity: ``None`` or ``"module"`` (default): cut only between whole blocks (the layers before the
+            first block form ``"stem"``, after the last ``"head"``; in an encoder-decoder, ``config.is_encoder_decoder``
+            or ``encoder`` and ``decoder`` attributes, the encoder output crosses every decoder cut beside it);
+            ``"sublayer"``: also inside the blocks, where a few tensors cross, named by role (``h.3.attn.probs``,
+            ``h.3.mlp.up``, ``xattn.*``, ``layer3.2.conv2``, ``stem.bn1..relu``; docs/models.md, docs/design.md §8);
             ``"finest"``: every cut point; an int ``N``: ``N`` stages balanced by the measured time of their ops.
 
     Returns:
