@@ -1,11 +1,6 @@
 """One widget that draws several plotly figures in a grid that fills its output area and reflows.
 
-The explorer used to show four ``go.FigureWidget``\\ s. Measured in JupyterLab (notes of issue 13), that cost more than
-it gave: importing ``FigureWidget`` alone pulls nbformat and jsonschema into the kernel (2–6 s before the first figure),
-every FigureWidget model carries plotly's 5 MB ES module (four imports racing anywidget's 2 s initialisation timeout),
-and their figures have a fixed pixel width (plotly sizes a figure once, before JupyterLab attaches it).
-
-:class:`FigureBoard` is one anywidget model for all the figures:
+:class:`FigureBoard` is one anywidget model for all the figures (why not one ``go.FigureWidget`` each: CHANGELOG.md):
 
 - its ES module is a few lines, so anywidget's initialisation never waits for plotly; plotly.js (the copy shipped
   with the ``plotly`` package) travels once per model in :attr:`FigureBoard._plotly_js` and is evaluated once per page;

@@ -6,10 +6,8 @@ the storage tape — under a budget slider (MiB/GiB), a strategy selector (switc
 Play button with a step slider that replays the schedule op by op, and the step's statistics. Clicking the frontier
 sets the budget. ``explorer.schedule`` / ``save_schedule`` / ``wrap`` export what is on screen.
 
-The explorer holds state and pushes data; it computes nothing itself. A budget change re-reads the solver's table
-(``solution.schedule``), simulates, stores the figure builders' output (:mod:`hchain_viz.viz.figures`) in the
-figures and has the board send the changed ones to the page. Slider events are throttled
-(:mod:`hchain_viz.viz.throttle`).
+It holds state and computes nothing (docs/design.md §1): a budget change re-reads ``solution.schedule``, simulates,
+and has the board send the changed figures (:mod:`hchain_viz.viz.figures`); slider events are throttled.
 
 Programmatic control mirrors the controls: ``explorer.budget = nbytes``, ``explorer.strategy = "revolve"``,
 ``explorer.overlay = "sqrt_n"``, ``explorer.step = k``; ``explorer.figures`` maps names to the figures.
@@ -120,31 +118,23 @@ def _baseline_schedule(chain: Chain, name: str, budget: int) -> tuple[Schedule, 
 
 
 class Explorer:
-    """The explorer widget over ``chain`` (and its ``model``, for :meth:`wrap`).
+    """The explorer widget over ``chain`` (and its ``model``, for :meth:`wrap`); docs/design.md §1.
 
-    Parameters
-    ----------
-    chain:
-        The profiled :class:`~hchain_viz.Chain`.
-    model:
-        The ``nn.Module`` the chain describes; only used by :meth:`wrap`.
-    solution:
-        A :class:`~hchain_viz.core.solver.Solution` of ``chain``; solved here when omitted.
-    budget:
-        The initial budget (bytes or text like ``"300MiB"``); halfway between the least feasible budget and
-        store-all's peak when omitted.
-    strategy:
-        The strategy shown: ``"optimal"`` or a baseline name of ``hcv.strategies.STRATEGIES`` that applies to the chain.
-    baselines:
-        Baselines drawn on the frontier: None (all), False (none), or a list of names (see :func:`figures.frontier`).
-    throttle_ms:
-        Least time between two redraws while the budget slider is dragged.
-    width:
-        Largest width of the explorer in pixels; by default it fills its output area and follows it when that area
-        changes width (the frontier and the memory curve share a row, stacked below 720 px).
-    device_memory, margin, axis:
-        The device (bytes or text like ``"24GiB"``), allocator margin (a fraction) and memory axis
-        (``"activations"`` or ``"device"``) of the device panel; only for chains with a fixed part.
+    Args:
+        chain: the profiled :class:`~hchain_viz.Chain`.
+        model: the ``nn.Module`` the chain describes; only used by :meth:`wrap`.
+        solution: a :class:`~hchain_viz.core.solver.Solution` of ``chain``; solved here when omitted.
+        budget: the initial budget (bytes or ``"300MiB"``); default halfway between the least and store-all's peak.
+        strategy: ``"optimal"`` or a baseline of ``hcv.strategies.STRATEGIES`` that applies to the chain.
+        baselines: drawn on the frontier: None (all), False (none), or a list of names (:func:`figures.frontier`).
+        throttle_ms: least time between two redraws while the budget slider is dragged.
+        width: largest width in pixels; by default it fills its output area and follows it (the frontier and the
+            memory curve share a row, stacked below 720 px).
+        device_memory, margin, axis: the device panel's device (bytes or ``"24GiB"``), allocator margin (a
+            fraction) and memory axis (``"activations"`` or ``"device"``); only for chains with a fixed part.
+
+    Raises:
+        HChainError: ``chain`` is not a Chain, or ``solution`` was solved for another chain.
     """
 
     def __init__(self, chain: Chain, model: Any = None, *, solution: Any = None, budget: int | str | None = None,
