@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,6 +98,7 @@ def apply(model: nn.Module, schedule: Schedule | str, *, chain: Chain | None = N
     if isinstance(model, ScheduledModule):
         raise AlreadyApplied("the model is a wrapped one (hcv.wrap); apply the schedule to its .model instead")
     _refuse_hf_checkpointing(model, when="apply")
+    _refuse_sharded_traced(model)
     if native and compile:
         raise HChainError("native=True is compiled whole by torch.compile(model); compile= compiles each stage under "
                           "the executor instead. Choose one")
@@ -132,29 +134,24 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
                verbose: bool = True, autocast: torch.dtype | None = None) -> nn.Module:
     """Profile ``model`` on ``batch``, solve, and apply the fastest schedule that fits; returns ``model``.
 
-    The one-line entry point, as easy as Hugging Face's ``gradient_checkpointing_enable()``:
-    ``hcv.checkpoint(model, batch, budget="6GiB")``. ``batch`` is a training batch as the model is called with it
-    (a dict for ``model(**batch)``, a tensor, or a tuple of arguments); later training calls must have its structure
-    and shapes. ``budget``: activation memory (bytes or text such as ``"6GiB"``); or ``device_memory``: the whole
-    device, with the fixed part (parameters, gradients, the state of ``optimizer``, which is then required) counted
-    as in DESIGN §7; with neither, the CUDA device's memory where the model is on one, else no limit (store-all).
-    ``loss_fn(output)``: the loss profiled for the last stage (default: ``output.loss`` where the model returns one).
-    ``granularity``: how finely a traced model is cut (``"sublayer"``: inside transformer layers).
-    ``native``: see :func:`apply`; the schedule is then the fastest whose memory fits the budget also when the model
-    is compiled whole (``torch.compile(model)``, see ``runtime/native.py``). ``selective`` (with ``native``): the
-    stages outside its checkpoint regions save only their matrix products' and convolutions' outputs (see
-    :func:`apply`); the model is profiled twice, with compiled stages, plain and selective (a compile per stage
-    each). ``verify``: then measure one training step of the model on ``batch`` (``hcv.measure``; compiled whole by
-    ``torch.compile(model)`` when ``native``, so the model is compiled here) and apply the schedule for the budget
-    scaled by budget / measured: lower when the step is above the budget (compiled, inductor's kernel scheduling can
-    hold up to 1.44x the prediction, docs/compile.md), higher when it has room left (the prediction was above the
-    step), until a schedule comes back or four steps are measured. The fastest that measured within the budget stays
-    applied; raises :class:`~hchain_viz.InfeasibleBudget`, the model left plain, when none did. Prints the budget,
-    the predicted peak and the predicted overhead against store-all, and each measured peak (``verbose=False``:
-    silent); ``progress`` shows progress bars while profiling. ``autocast``: profile, trace and verify under
-    ``torch.autocast(device, dtype=autocast)``, the precision the training step will run in, for a caller that
-    calls this before its trainer autocasts (``Trainer(bf16=True)``: ``autocast=torch.bfloat16``); without it, the
-    precision active around the call (see :func:`~hchain_viz.profile`). A training step in another precision warns.
+    The one-line entry point, as easy as Hugging Face's ``gradient_checkpointing_enable()`` (docs/design.md §1.1).
+
+    Args:
+        batch: a training batch as the model is called with it (a dict for ``model(**batch)``, a tensor, a tuple);
+            later training calls must have its structure and shapes.
+        budget: activation memory (bytes or ``"6GiB"``); or ``device_memory``: the whole device, the fixed part
+            counted (§7; needs ``optimizer``). Neither: the CUDA device's memory, else no limit (store-all).
+        loss_fn: ``loss_fn(output)``, the loss profiled for the last stage (default: ``output.loss`` if any).
+        granularity: how finely a traced model is cut (``"sublayer"``: inside transformer layers).
+        native, selective: see :func:`apply`; the schedule then fits also compiled whole (§5.3), and with
+            ``selective`` the model is profiled twice with compiled stages, plain and selective.
+        verify: measure a step (compiled whole when ``native``) and re-apply for the budget scaled by budget /
+            measured, until one measures within or four steps are measured (docs/compile.md).
+        verbose, progress: print the budget, predicted peak and overhead and each measured peak; progress bars.
+        autocast: profile, trace and verify under ``torch.autocast(device, dtype=autocast)`` (§11).
+
+    Raises:
+        InfeasibleBudget: ``verify`` measured no schedule within the budget; the model is left plain.
     """
     from ..core.simulate import simulate
     from ..core.solver import solve
@@ -366,6 +363,21 @@ def _refuse_hf_checkpointing(model: nn.Module, when: str) -> None:
                "which also trains by an hchain_viz schedule: both would recompute")
             + ". Call model.gradient_checkpointing_disable() (or leave TrainingArguments(gradient_checkpointing=...) "
               "off): the schedule already checkpoints")
+
+
+def _refuse_sharded_traced(model: nn.Module) -> None:
+    """FSDP2 (``fully_shard``) puts gathered copies of the parameters (cast, under a ``MixedPrecisionPolicy``) into
+    the modules around each forward; stages of an nn.Sequential are its modules and follow, but traced stages keep
+    the parameters they were traced with, and the sharded model cannot be traced (docs/design.md §11)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded by it
+    if fsdp is None or isinstance(model, nn.Sequential):
+        return
+    if any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
+        raise ScheduleMismatch(
+            f"this {type(model).__name__} is sharded by FSDP2 (fully_shard), which swaps each parameter for its "
+            f"gathered copy around every forward; a schedule applies to a sharded model only when it is an "
+            f"nn.Sequential of stages, each fully_shard-ed. Train this model unsharded with the schedule, or "
+            f"sharded without it")
 
 
 # ---------------------------------------------------------------------------------------------- state
