@@ -1,41 +1,44 @@
 """Benchmark ``compile``: compiled stages under the optimal schedule against torch.compile's activation_memory_budget.
 
-For each demo model, all in one process, CPU, measured (never predicted) peaks and step times:
-
-- ``torch.compile(model)`` with ``torch._functorch.config.activation_memory_budget`` at each budget (1.0 .. 0.0),
-  bound to its compiled graph by a backend that sets the budget while AOTAutograd partitions;
-- the compiled-stage optimal schedule: ``profile(model, x, compile=True)``, solved, wrapped with ``compile=True``;
-  for each compile budget, the fastest of a few candidate schedules whose MEASURED peak is at most compile's;
-- the eager optimal schedule at the same peak, for reference;
-- gradients of one seeded step (dropout on, where the model has it): compile at each budget against its own budget
-  1.0 graph (same random stream), the compiled-stage schedule against the same compiled stages run without a
-  schedule, and both against eager.
-
-Step times are medians of interleaved rounds (shuffled order each round, so load on a shared machine hits every
-configuration alike), with the spread (max - min over rounds, relative to the median); a speedup is the median over
-rounds of the ratio of the two steps run in the same round.
-
     python -m hchain_viz bench compile [--models resnet_chain,nanogpt] [--rounds 5] [--threads 1] [--small]
                                        [--budgets 1.0,0.7,0.5,0.3,0.1,0.0]
 
-``--native``: instead (models resnet_chain and nanoGPT cut by module, Hugging Face's GPT-2 at sub-layer
-granularity, as ``NATIVE_CUT`` says or ``--granularity``; sizes from ``NATIVE``, changed with ``--set gpt2.seq=128``),
-the schedule applied in its native form (``hcv.apply(model, schedule, native=True)``: non-reentrant checkpoint
-regions) and the whole model compiled by ``torch.compile`` (inductor), against ``torch.compile``'s
-``activation_memory_budget`` at equal measured memory (the allocator-event meter sees compiled code). Candidates are
-the single-level optimum's schedules (``solve(chain, single_level=True)``: each stage recomputed at most once, the
-schedules torch.compile runs as scheduled, ``runtime/native.py``, NOTE [compiled memory]) at ``--candidates``
-budgets spread from its least to store-all, solved on the chain profiled with compiled stages (``--chain compiled``,
-the default: its saved tensors are inductor's, fewer than eager's), each applied to its own copy of the model and
-compiled once; per compile budget, the fastest whose measured peak is at most compile's. ``--forms`` (default
-``plain,selective``): candidates in each stage form, the selective ones (``apply(..., selective=...)``: stages
-outside the regions save only their matrix products' and convolutions' outputs) solved on the chain profiled with
-``selective=True`` and predicted by ``selective_chain``. ``meas/pred`` is the measured peak over ``compiled_peak``
-(the simulator's peak of that form plus the parameter gradients the compiled backward holds). ``--device cuda`` runs
-it on a GPU (``bench gpu``'s native section).
-Compiled graphs are cached on disk (``TORCHINDUCTOR_CACHE_DIR``, default ``~/.cache/hchain_viz/inductor``; FX graph
-and AOTAutograd caches on), so a rerun compiles little.
+What it measures and how: NOTE [what bench compile measures] below; the runs: docs/benchmarks.md, docs/compile.md.
 """
+
+# NOTE [what bench compile measures]
+# For each demo model, all in one process, CPU, measured (never predicted) peaks and step times:
+#
+# - ``torch.compile(model)`` with ``torch._functorch.config.activation_memory_budget`` at each budget (1.0 .. 0.0),
+#   bound to its compiled graph by a backend that sets the budget while AOTAutograd partitions;
+# - the compiled-stage optimal schedule: ``profile(model, x, compile=True)``, solved, wrapped with ``compile=True``;
+#   for each compile budget, the fastest of a few candidate schedules whose MEASURED peak is at most compile's;
+# - the eager optimal schedule at the same peak, for reference;
+# - gradients of one seeded step (dropout on, where the model has it): compile at each budget against its own budget
+#   1.0 graph (same random stream), the compiled-stage schedule against the same compiled stages run without a
+#   schedule, and both against eager.
+#
+# Step times are medians of interleaved rounds (shuffled order each round, so load on a shared machine hits every
+# configuration alike), with the spread (max - min over rounds, relative to the median); a speedup is the median over
+# rounds of the ratio of the two steps run in the same round.
+#
+# ``--native``: instead (models resnet_chain and nanoGPT cut by module, Hugging Face's GPT-2 at sub-layer
+# granularity, as ``NATIVE_CUT`` says or ``--granularity``; sizes from ``NATIVE``, changed with ``--set gpt2.seq=128``),
+# the schedule applied in its native form (``hcv.apply(model, schedule, native=True)``: non-reentrant checkpoint
+# regions) and the whole model compiled by ``torch.compile`` (inductor), against ``torch.compile``'s
+# ``activation_memory_budget`` at equal measured memory (the allocator-event meter sees compiled code). Candidates are
+# the single-level optimum's schedules (``solve(chain, single_level=True)``: each stage recomputed at most once, the
+# schedules torch.compile runs as scheduled, ``runtime/native.py``, NOTE [compiled memory]) at ``--candidates``
+# budgets spread from its least to store-all, solved on the chain profiled with compiled stages (``--chain compiled``,
+# the default: its saved tensors are inductor's, fewer than eager's), each applied to its own copy of the model and
+# compiled once; per compile budget, the fastest whose measured peak is at most compile's. ``--forms`` (default
+# ``plain,selective``): candidates in each stage form, the selective ones (``apply(..., selective=...)``: stages
+# outside the regions save only their matrix products' and convolutions' outputs) solved on the chain profiled with
+# ``selective=True`` and predicted by ``selective_chain``. ``meas/pred`` is the measured peak over ``compiled_peak``
+# (the simulator's peak of that form plus the parameter gradients the compiled backward holds). ``--device cuda`` runs
+# it on a GPU (``bench gpu``'s native section).
+# Compiled graphs are cached on disk (``TORCHINDUCTOR_CACHE_DIR``, default ``~/.cache/hchain_viz/inductor``; FX graph
+# and AOTAutograd caches on), so a rerun compiles little.
 
 from __future__ import annotations
 

@@ -1,35 +1,38 @@
 """Benchmark ``models``: automatic chain extraction (runtime/graph.py) on real architectures, on the CPU.
 
-For each model (a ResNet with skip connections in ``forward``, a nanoGPT-style decoder, and, when installed,
-Hugging Face GPT-2 and torchvision resnet18 / densenet121, all with random weights at a small input size):
-
-- the number of stages :func:`~hchain_viz.runtime.graph.extract_stages` finds, the tracer that worked, and the
-  extraction wall time (tracing, analysis, and the check that the stages reproduce the model);
-- the throughput gain of the optimal schedule over PyTorch's ``checkpoint_sequential`` on the same stage list (an
-  ``nn.Sequential``) at equal MEASURED memory: for each segment count n, the fastest optimal schedule whose
-  measured peak is the same or lower, its step rate over checkpoint_sequential's, averaged over the
-  Pareto-efficient n (a segment count that uses as much measured memory as another and is slower is left out), with
-  the average over every n (the old rule) beside it, and the best n.
-
     python -m hchain_viz bench models [--models resnet_skip,nanogpt,gpt2,resnet18,densenet121] [--rounds 3]
                                       [--budgets 4] [--no-train] [--threads 0]
 
-With ``--cnn`` (issue #26) it benches real torchvision CNNs instead (``--cnn-models resnet50,densenet121,
-inception_v3``, batch 4 at 128-160 px) at ``module`` and ``sublayer`` granularity. The baseline is what users run:
-``checkpoint_sequential`` over the model's top-level children (``model.features``' children for a DenseNet), each
-Pareto-efficient segment count n (measured peak, step time). At n's measured peak the optimum is solved on the
-granular chain; per granularity the table gives the stages, the least feasible budget (the solver's, and its ratio
-to module granularity's), and the mean gain over the Pareto-efficient n, measured and simulated (the optimum's
-predicted step time against checkpoint_sequential's on a profile of the user's chain, run natively: one backward
-call for the step, where the executor starts one per segment). Measured: per round, the
-baseline and each granularity's optimum at its peak run back to back (a step of a CNN varies by about +-12% on
-its own, and a shared machine changes speed over seconds), each gain the median over rounds of that round's ratio;
-the rounds shuffle these groups. glibc is asked to keep freed memory (``keep_heap``), as a GPU's caching allocator
-does: otherwise the schedules that free and allocate more page-fault more. It also gives the
-least budget with every transient zero, store-all through the executor over eager in the same rounds, and, per row,
-the op of the least schedule that sets its least budget (what is resident before it and what it adds).
-``docs/benchmarks.md`` (CNNs cut inside their blocks) has the runs and what they show.
+What it measures and how: NOTE [what bench models measures] below; the runs: docs/benchmarks.md.
 """
+
+# NOTE [what bench models measures]
+# For each model (a ResNet with skip connections in ``forward``, a nanoGPT-style decoder, and, when installed,
+# Hugging Face GPT-2 and torchvision resnet18 / densenet121, all with random weights at a small input size):
+#
+# - the number of stages :func:`~hchain_viz.runtime.graph.extract_stages` finds, the tracer that worked, and the
+#   extraction wall time (tracing, analysis, and the check that the stages reproduce the model);
+# - the throughput gain of the optimal schedule over PyTorch's ``checkpoint_sequential`` on the same stage list (an
+#   ``nn.Sequential``) at equal MEASURED memory: for each segment count n, the fastest optimal schedule whose
+#   measured peak is the same or lower, its step rate over checkpoint_sequential's, averaged over the
+#   Pareto-efficient n (a segment count that uses as much measured memory as another and is slower is left out), with
+#   the average over every n (the old rule) beside it, and the best n.
+#
+# With ``--cnn`` (issue #26) it benches real torchvision CNNs instead (``--cnn-models resnet50,densenet121,
+# inception_v3``, batch 4 at 128-160 px) at ``module`` and ``sublayer`` granularity. The baseline is what users run:
+# ``checkpoint_sequential`` over the model's top-level children (``model.features``' children for a DenseNet), each
+# Pareto-efficient segment count n (measured peak, step time). At n's measured peak the optimum is solved on the
+# granular chain; per granularity the table gives the stages, the least feasible budget (the solver's, and its ratio
+# to module granularity's), and the mean gain over the Pareto-efficient n, measured and simulated (the optimum's
+# predicted step time against checkpoint_sequential's on a profile of the user's chain, run natively: one backward
+# call for the step, where the executor starts one per segment). Measured: per round, the
+# baseline and each granularity's optimum at its peak run back to back (a step of a CNN varies by about +-12% on
+# its own, and a shared machine changes speed over seconds), each gain the median over rounds of that round's ratio;
+# the rounds shuffle these groups. glibc is asked to keep freed memory (``keep_heap``), as a GPU's caching allocator
+# does: otherwise the schedules that free and allocate more page-fault more. It also gives the
+# least budget with every transient zero, store-all through the executor over eager in the same rounds, and, per row,
+# the op of the least schedule that sets its least budget (what is resident before it and what it adds).
+# ``docs/benchmarks.md`` (CNNs cut inside their blocks) has the runs and what they show.
 
 from __future__ import annotations
 

@@ -1,31 +1,36 @@
 """Benchmark of recompute-or-offload (DESIGN §9), in simulation.
 
-``python -m hchain_viz bench offload [--gpu H100] [--grid N] [--layers 32]`` prints, for resnet_chain, nanogpt, a
-synthetic chain and a LLaMA-7B-like decoder, at three links (PCIe 4.0 x16, PCIe 5.0 x16, NVLink-C2C) and four budgets
-each: the remat-only optimal makespan, the remat+offload makespan (``solve(chain, offload=True)``), both as overhead
-over store-all, and the share of the remat-only overhead that offloading removes. The remat-only reference is the
-DP's answer or, when faster, a schedule of a larger budget's breakpoint that still fits once simulated (the DP rounds
-sizes up to its slots), so that rounding is not credited to offloading. Then a table of that share averaged over the
-budgets where remat-only costs at least 10%, per chain and over all chains, per link; and per link the same averages
-in one line (goal at PCIe 5.0: at least 1/3), whether offloading was ever slower (goal: never), and the time of one
-budget change at L = 50 (the synthetic chain; goal: 100 ms).
+    python -m hchain_viz bench offload [--gpu H100] [--grid N] [--layers 32]
 
-Stage times must be GPU-like (CPU compute is so slow that any link hides every copy). All are labelled by
-``chain.meta["times"]``:
-
-- resnet_chain and nanogpt are profiled on the CPU for their sizes, with times from a roofline **estimate** for
-  ``--gpu`` (``profile(estimate_for=...)``). They are small: they make activations at 200-400 GiB/s of compute, far
-  above a PCIe link, so copies hide only where the compute between two uses is long.
-- synthetic is ``Chain.random(50, scale=16 MiB)`` with times divided by 10 (L = 50: the budget-change timing).
-- llama-7b (:func:`llama_chain`) is the case the Beaumont–Eyraud-Dubois–Shilova results are about: hidden 4096,
-  32 layers at two stages each, seq 4096, bf16, flash-style attention, FLOPs and bytes from analytic counts turned
-  into times by the same roofline **estimate** (``runtime.roofline``). Matmul FLOPs grow with d² per token and
-  activation bytes with d, so at this width it makes activations at about 64 GiB/s, the order of PCIe 5.0.
-
-The four budgets of each chain are added to the offload solver's precomputed grid (its answer between grid budgets is
-the one at the grid budget below), and "solve" is the time of that whole precomputation. "act. rate" is the chain's
-activation bytes (all x̄) over its store-all time: offloading pays when the link is a fair share of it.
+What it measures and how (docs/design.md §9): NOTE [what bench offload measures] below; the runs: docs/benchmarks.md.
 """
+
+# NOTE [what bench offload measures]
+# It prints, for resnet_chain, nanogpt, a
+# synthetic chain and a LLaMA-7B-like decoder, at three links (PCIe 4.0 x16, PCIe 5.0 x16, NVLink-C2C) and four budgets
+# each: the remat-only optimal makespan, the remat+offload makespan (``solve(chain, offload=True)``), both as overhead
+# over store-all, and the share of the remat-only overhead that offloading removes. The remat-only reference is the
+# DP's answer or, when faster, a schedule of a larger budget's breakpoint that still fits once simulated (the DP rounds
+# sizes up to its slots), so that rounding is not credited to offloading. Then a table of that share averaged over the
+# budgets where remat-only costs at least 10%, per chain and over all chains, per link; and per link the same averages
+# in one line (goal at PCIe 5.0: at least 1/3), whether offloading was ever slower (goal: never), and the time of one
+# budget change at L = 50 (the synthetic chain; goal: 100 ms).
+#
+# Stage times must be GPU-like (CPU compute is so slow that any link hides every copy). All are labelled by
+# ``chain.meta["times"]``:
+#
+# - resnet_chain and nanogpt are profiled on the CPU for their sizes, with times from a roofline **estimate** for
+#   ``--gpu`` (``profile(estimate_for=...)``). They are small: they make activations at 200-400 GiB/s of compute, far
+#   above a PCIe link, so copies hide only where the compute between two uses is long.
+# - synthetic is ``Chain.random(50, scale=16 MiB)`` with times divided by 10 (L = 50: the budget-change timing).
+# - llama-7b (:func:`llama_chain`) is the case the Beaumont–Eyraud-Dubois–Shilova results are about: hidden 4096,
+#   32 layers at two stages each, seq 4096, bf16, flash-style attention, FLOPs and bytes from analytic counts turned
+#   into times by the same roofline **estimate** (``runtime.roofline``). Matmul FLOPs grow with d² per token and
+#   activation bytes with d, so at this width it makes activations at about 64 GiB/s, the order of PCIe 5.0.
+#
+# The four budgets of each chain are added to the offload solver's precomputed grid (its answer between grid budgets is
+# the one at the grid budget below), and "solve" is the time of that whole precomputation. "act. rate" is the chain's
+# activation bytes (all x̄) over its store-all time: offloading pays when the link is a fair share of it.
 
 from __future__ import annotations
 

@@ -1,60 +1,63 @@
 """Benchmark ``transformers``: transformer chains at module and sub-layer granularity against the baselines that
 transformer users run, on the CPU.
 
-Models (random weights, train mode): nanoGPT (``hcv.models.nanogpt``, traced by torch.fx) and Hugging Face GPT-2,
-LLaMA and BERT (and, on request, the encoder-decoders BART and T5: ``--layers`` in each stack) built from their
-default configs, shrunk to ``--layers`` layers of width ``--hidden``, with eager attention (the attention
-probabilities are materialised, as in the issue's hand split). Per model and granularity:
-
-- stages, and the extraction wall time (tracing, analysis, the check against the model);
-- measured / predicted peak: the range over every schedule run (measured with ``hchain_viz.measure``, predicted
-  by ``simulate``);
-- the step-rate gain of the optimal schedule at equal **measured** memory (solved at each baseline's measured peak,
-  among other budgets, each solved at its own resolution) over ``checkpoint_sequential`` at layer granularity
-  (``layer_periodic``), averaged over its Pareto-efficient segment counts (``n`` that use as much measured memory
-  as another and are slower are left out), over full per-layer recomputation at its measured peak, and over
-  Megatron's selective recomputation at its measured peak, and over Megatron's full recomputation, block (any k) and
-  uniform (k >= 2), averaged over their Pareto-efficient settings ("n/a" where the optimal schedule has no point at
-  or under that peak). A schedule measured above its prediction is reported on a line of its own.
-- the same three gains in the model alone (predicted peaks, simulated times): the headroom a perfect executor would
-  measure, which says whether a small measured gain comes from the run or from the chain itself. There the optimum
-  at a baseline's peak is never slower than that baseline (the exact DP would find it; at its resolution of 1/20000
-  of the budget it can miss it by a few KiB).
-
-Every strategy is a Schedule run by the same executor (``hcv.wrap``); step times are medians of ``--rounds``
-interleaved rounds (a warm-up round first, shuffled order each round).
-
     python -m hchain_viz bench transformers [--models nanogpt,gpt2,llama,bert,bart,t5] [--layers 4] [--hidden 128]
                                             [--seq 128] [--batch 4] [--rounds 3] [--threads 0]
 
-``--honest``: the measures of issue 24, simulated with roofline H100 times (``profile(..., estimate_for="H100")``;
-sizes measured) on GPT-2 and LLaMA at sub-layer and module granularity, ``--layers`` (default 4,8) and ``--seqs``
-(default 256,1024), hidden ``--hidden`` (use 256), over a grid of ``--grid`` (default 24) budgets from the least
-feasible to store-all. Framework baselines: store-all, per-layer (HF on), selective, ``checkpoint_sequential`` over
-layers (any n), Megatron block and uniform (any k). The optimum at each budget is ``hcv.optimal_schedule``'s answer
-for that budget alone. Per row:
-
-- reach: the least feasible budget over the least any framework baseline needs; and at 0.75x of that least, how much
-  slower the optimum is than that least-memory baseline;
-- vs HF: the gain over HF's on/off gradient checkpointing (the faster of store-all and per-layer that fits), mean
-  over the budgets where one fits, and the share of the grid where the gain is >= 15% or only the optimum fits;
-- vs ckpt_seq: mean and max gain over ``checkpoint_sequential`` over layers where it fits;
-- vs best: mean and least gain over the best framework baseline that fits (block/uniform included);
-- sub vs module: the module-granularity optimum over the sub-layer one at equal budget (mean where both fit), each
-  as its overhead over its own chain's store-all time (the roofline sums of a layer's parts and of the whole layer
-  differ: their ratio is printed), and the ratio of their least budgets.
-
-``--honest --measured``: the same measures from runs instead of the simulator. Every schedule (the sub-layer
-optimum at ``--grid`` budgets from its least to store-all, at each framework baseline's measured peak and at 0.75x
-the least of them; every framework baseline; the module optimum at ``--grid`` budgets of its own range) is run by
-the executor on this CPU with times as profiled (identical layers tied): each point is its measured peak and median
-step time over ``--rounds`` interleaved rounds of all of them together, and the grid runs from the least measured
-peak of the optimum to store-all's. The noise columns: the median and largest spread of a schedule's step times
-(half the range over the median), and measured over predicted peaks.
-
-``--per-layer-check``: the same per-layer schedule on the module and the sub-layer chain of one model (``--models``,
-first entry; ``--seqs``, first entry): predicted and measured peaks of both (the LLaMA seq-1024 discrepancy).
+What it measures and how: NOTE [what bench transformers measures] below; the runs: docs/benchmarks.md.
 """
+
+# NOTE [what bench transformers measures]
+# Models (random weights, train mode): nanoGPT (``hcv.models.nanogpt``, traced by torch.fx) and Hugging Face GPT-2,
+# LLaMA and BERT (and, on request, the encoder-decoders BART and T5: ``--layers`` in each stack) built from their
+# default configs, shrunk to ``--layers`` layers of width ``--hidden``, with eager attention (the attention
+# probabilities are materialised, as in the issue's hand split). Per model and granularity:
+#
+# - stages, and the extraction wall time (tracing, analysis, the check against the model);
+# - measured / predicted peak: the range over every schedule run (measured with ``hchain_viz.measure``, predicted
+#   by ``simulate``);
+# - the step-rate gain of the optimal schedule at equal **measured** memory (solved at each baseline's measured peak,
+#   among other budgets, each solved at its own resolution) over ``checkpoint_sequential`` at layer granularity
+#   (``layer_periodic``), averaged over its Pareto-efficient segment counts (``n`` that use as much measured memory
+#   as another and are slower are left out), over full per-layer recomputation at its measured peak, and over
+#   Megatron's selective recomputation at its measured peak, and over Megatron's full recomputation, block (any k) and
+#   uniform (k >= 2), averaged over their Pareto-efficient settings ("n/a" where the optimal schedule has no point at
+#   or under that peak). A schedule measured above its prediction is reported on a line of its own.
+# - the same three gains in the model alone (predicted peaks, simulated times): the headroom a perfect executor would
+#   measure, which says whether a small measured gain comes from the run or from the chain itself. There the optimum
+#   at a baseline's peak is never slower than that baseline (the exact DP would find it; at its resolution of 1/20000
+#   of the budget it can miss it by a few KiB).
+#
+# Every strategy is a Schedule run by the same executor (``hcv.wrap``); step times are medians of ``--rounds``
+# interleaved rounds (a warm-up round first, shuffled order each round).
+#
+# ``--honest``: the measures of issue 24, simulated with roofline H100 times (``profile(..., estimate_for="H100")``;
+# sizes measured) on GPT-2 and LLaMA at sub-layer and module granularity, ``--layers`` (default 4,8) and ``--seqs``
+# (default 256,1024), hidden ``--hidden`` (use 256), over a grid of ``--grid`` (default 24) budgets from the least
+# feasible to store-all. Framework baselines: store-all, per-layer (HF on), selective, ``checkpoint_sequential`` over
+# layers (any n), Megatron block and uniform (any k). The optimum at each budget is ``hcv.optimal_schedule``'s answer
+# for that budget alone. Per row:
+#
+# - reach: the least feasible budget over the least any framework baseline needs; and at 0.75x of that least, how much
+#   slower the optimum is than that least-memory baseline;
+# - vs HF: the gain over HF's on/off gradient checkpointing (the faster of store-all and per-layer that fits), mean
+#   over the budgets where one fits, and the share of the grid where the gain is >= 15% or only the optimum fits;
+# - vs ckpt_seq: mean and max gain over ``checkpoint_sequential`` over layers where it fits;
+# - vs best: mean and least gain over the best framework baseline that fits (block/uniform included);
+# - sub vs module: the module-granularity optimum over the sub-layer one at equal budget (mean where both fit), each
+#   as its overhead over its own chain's store-all time (the roofline sums of a layer's parts and of the whole layer
+#   differ: their ratio is printed), and the ratio of their least budgets.
+#
+# ``--honest --measured``: the same measures from runs instead of the simulator. Every schedule (the sub-layer
+# optimum at ``--grid`` budgets from its least to store-all, at each framework baseline's measured peak and at 0.75x
+# the least of them; every framework baseline; the module optimum at ``--grid`` budgets of its own range) is run by
+# the executor on this CPU with times as profiled (identical layers tied): each point is its measured peak and median
+# step time over ``--rounds`` interleaved rounds of all of them together, and the grid runs from the least measured
+# peak of the optimum to store-all's. The noise columns: the median and largest spread of a schedule's step times
+# (half the range over the median), and measured over predicted peaks.
+#
+# ``--per-layer-check``: the same per-layer schedule on the module and the sub-layer chain of one model (``--models``,
+# first entry; ``--seqs``, first entry): predicted and measured peaks of both (the LLaMA seq-1024 discrepancy).
 
 from __future__ import annotations
 
