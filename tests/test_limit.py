@@ -2,7 +2,8 @@
 simulator against the best schedule the library finds with far finer tables and ``optimal_schedule``.
 
 - at 1.0, 1.01, 1.03, 1.1 and 1.3x the least budget, on the shipped chains and on random chains, the answer is
-  within 1% of that best (simulated time), and its simulated peak within the budget;
+  within 1% of that best (simulated time), and its simulated peak within the budget; the references are solved with
+  the near-limit table of ``Solution`` turned off, so they never share its code path;
 - the least budget the solution reports is the exact least feasible budget, answered by a DP schedule;
 - a larger budget never gets a slower answer, over a dense grid of budgets.
 """
@@ -20,35 +21,47 @@ FACTORS = (1.0, 1.01, 1.03, 1.1, 1.3)
 
 
 def _best(chain: hcv.Chain, fine: hcv.Solution, budget: int) -> float:
-    """The fastest schedule the library finds within ``budget``: a much finer table, or optimal_schedule."""
+    """The fastest schedule the library finds within ``budget``: a much finer table, or optimal_schedule (both
+    without the near-limit table: solved while ``solver._NEAR_WORK`` is 0)."""
     refined = hcv.simulate(chain, hcv.optimal_schedule(chain, budget)).makespan
     return min(hcv.simulate(chain, fine.schedule(budget)).makespan, refined)
 
 
-def _check_near_limit(chain: hcv.Chain, fine_slots: int) -> None:
+def _check_near_limit(chain: hcv.Chain, fine_slots: int, monkeypatch: pytest.MonkeyPatch,
+                      factors: tuple[float, ...] = FACTORS) -> None:
     least = solver.least_budget(chain)
     sol = hcv.solve(chain)
-    fine = hcv.solve(chain, slots=fine_slots)
     assert sol.min_budget == least  # the reported least budget is exact ...
     assert sol.schedule(least).meta["source"] == "dp"  # ... and answered by the DP, not a fallback
-    for f in FACTORS:
-        budget = int(least * f)
-        schedule = sol.schedule(budget)
-        trace = hcv.simulate(chain, schedule)
-        assert trace.peak_memory <= budget
-        best = _best(chain, fine, budget)
-        assert trace.makespan <= best * 1.01, (f, trace.makespan / best - 1)
+    answers = {f: sol.schedule(int(least * f)) for f in factors}
+    with monkeypatch.context() as m:
+        m.setattr(solver, "_NEAR_WORK", 0)
+        fine = hcv.solve(chain, slots=fine_slots)
+        best = {f: _best(chain, fine, int(least * f)) for f in factors}
+    for f in factors:
+        trace = hcv.simulate(chain, answers[f])
+        assert trace.peak_memory <= int(least * f)
+        assert trace.makespan <= best[f] * 1.01, (f, trace.makespan / best[f] - 1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", examples.NAMES)
-def test_shipped_chains_within_one_percent_near_the_least_budget(name):
-    _check_near_limit(examples.load(name), fine_slots=4000)
+def test_shipped_chains_within_one_percent_near_the_least_budget(name, monkeypatch):
+    _check_near_limit(examples.load(name), fine_slots=4000, monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("L,seed", [(12, 1), (20, 2), (30, 3), (40, 4)])
-def test_random_chains_within_one_percent_near_the_least_budget(L, seed):
-    _check_near_limit(hcv.Chain.random(L, seed=seed), fine_slots=4000)
+def test_random_chains_within_one_percent_near_the_least_budget(L, seed, monkeypatch):
+    _check_near_limit(hcv.Chain.random(L, seed=seed), fine_slots=4000, monkeypatch=monkeypatch)
+
+
+# Chains whose answer at exactly the least budget was 7-32% slower than the reference before the near-limit table:
+# there only the rounding of sizes to slots decides which schedules fit.
+@pytest.mark.parametrize("L,seed", [(40, 13), pytest.param(150, 19, marks=pytest.mark.slow),
+                                    pytest.param(200, 17, marks=pytest.mark.slow)])
+def test_within_one_percent_at_exactly_the_least_budget(L, seed, monkeypatch):
+    _check_near_limit(hcv.Chain.random(L, seed=seed), fine_slots=4000, monkeypatch=monkeypatch,
+                      factors=(1.0, 1.001, 1.005))
 
 
 @pytest.mark.parametrize("chain", [examples.load("densenet121-sublayer"), hcv.Chain.random(60, seed=5)],

@@ -77,6 +77,12 @@ _MIN_BOTTOM_SLOTS = 8
 # are then nearer the truth on average (the exact peaks decide what fits). Measured in docs/benchmarks.md.
 _ROUND_DOWN = (1, 5)
 _BOTTOM_ROUND = (1, 5)
+# The near-limit table of a Solution (Solution._near_limit_front): budgets up to 1/50 above the least budget, at most
+# _NEAR_SLOTS slots, this much work (slots x L^3: 4e9 is 500 slots at L = 200, 0.2-0.4 s on 2 cores) and _REFINE_BYTES
+# while building. 0 turns it off (tests build their references without it).
+_NEAR_SPAN = (1, 50)
+_NEAR_WORK = 4e9
+_NEAR_SLOTS = 4096
 
 # Choice codes in the tables: the chain option (also the base case i == l, and the loss), or infeasible; a leaf
 # option stores its checkpoint index j > i.
@@ -811,41 +817,97 @@ class Solution:
         self.slots = int(slots)
         self.store_all_peak = int(store_all_peak)
         self._tables = tuple(tables)  # the whole range first, then the bottom table if any (see solve)
-        self._store_all_time = sat = chain.store_all_time
-        # Candidates: per table, the least slot of each time it reaches (its schedule fits the fewest slots), with
-        # the exact peak of that schedule. The answers are the candidates' Pareto front in exact bytes, not in slots:
-        # a schedule counts at every budget its simulated peak fits (docs/design.md §4).
-        peaks, times, where = [], [], []
-        for k, table in enumerate(self._tables):
-            # Store-all time is a bound no schedule beats; values within the tie margin of it (float reassociation)
-            # are snapped to it, so they agree with the store-all answer.
-            t = np.where(table.times <= sat * (1.0 + _TIE_RTOL), sat, table.times)
-            cand, cur_t = [], math.inf
-            for m in range(t.shape[0]):  # a few thousand slots at most: a plain loop is fine here, once
-                if t[m] * (1.0 + _TIE_RTOL) < cur_t:
-                    cand.append(m)
-                    cur_t = t[m]
-            starts = np.array(cand, np.int64)
-            peaks.append(_exact_peaks(chain, table, starts))
-            times.append(t[starts])
-            where += [(k, m) for m in cand]
-        peak_all, time_all = np.concatenate(peaks), np.concatenate(times)
-        keep, cur_t = [], math.inf
-        for n in np.lexsort((time_all, peak_all)).tolist():  # by exact peak: counts only if faster than all below
-            if time_all[n] * (1.0 + _TIE_RTOL) < cur_t:
-                keep.append(n)
-                cur_t = time_all[n]
-        self._front_peak = peak_all[keep]
-        self._front_t = time_all[keep]
-        self._front_at = [where[n] for n in keep]  # (table, m): the schedule's start in that table
-        self._dp_min = int(self._front_peak[0]) if keep else None
-        self._cache: dict[str, Any] = {}  # the baselines, computed on first use (see _baselines)
+        self._store_all_time = chain.store_all_time
+        self._lock = threading.Lock()  # the front is computed once, on first use (see _front)
+        self._cache: dict[str, Any] = {}  # the front and the baselines, computed on first use
         self._frozen = True
 
     def __setattr__(self, name: str, value: Any) -> None:
         if getattr(self, "_frozen", False):
             raise AttributeError(f"a Solution is read-only; solve again to change {name!r}")
         object.__setattr__(self, name, value)
+
+    def _front(self) -> tuple[np.ndarray, np.ndarray, list]:
+        """(exact peaks, times, where) of the answers' Pareto front over every table's schedules, peaks increasing;
+        ``where[k]`` is ``(table, m)`` (its start in that table) or the schedule's ops. Computed on first use: with the
+        near-limit table (``_near_limit_front``) when the least budget is within ``max_budget``."""
+        with self._lock:
+            if "front" not in self._cache:
+                peaks, times, where = [], [], []
+                for k, table in enumerate(self._tables):
+                    starts = self._candidates(table)
+                    peaks.append(_exact_peaks(self.chain, table, starts))
+                    times.append(table.times[starts])
+                    where += [(k, m) for m in starts.tolist()]
+                near = self._near_limit_front()
+                if near is not None:
+                    peaks.append(near[0])
+                    times.append(near[1])
+                    where += near[2]
+                peak_all, time_all = np.concatenate(peaks), np.concatenate(times)
+                sat = self._store_all_time  # within the tie margin of store-all time is store-all time
+                time_all = np.where(time_all <= sat * (1.0 + _TIE_RTOL), sat, time_all)
+                keep, cur_t = [], math.inf
+                for n in np.lexsort((time_all, peak_all)).tolist():  # by exact peak: counts only if faster than all
+                    if time_all[n] * (1.0 + _TIE_RTOL) < cur_t:  # below
+                        keep.append(n)
+                        cur_t = time_all[n]
+                self._cache["front"] = (peak_all[keep], time_all[keep], [where[n] for n in keep])
+            return self._cache["front"]
+
+    def _candidates(self, table: _Table) -> np.ndarray:
+        """The least slot of each time ``table`` reaches (its schedule fits the fewest slots): the answers are these
+        schedules' Pareto front in exact bytes, not in slots (docs/design.md §4)."""
+        t = np.where(table.times <= self._store_all_time * (1.0 + _TIE_RTOL), self._store_all_time, table.times)
+        cand, cur_t = [], math.inf
+        for m in range(t.shape[0]):  # a few thousand slots at most: a plain loop is fine here, once
+            if t[m] * (1.0 + _TIE_RTOL) < cur_t:
+                cand.append(m)
+                cur_t = t[m]
+        return np.array(cand, np.int64)
+
+    def _near_limit_front(self) -> tuple[np.ndarray, np.ndarray, list] | None:
+        """(exact peaks, times, ops) of the schedules of a table over budgets up to ``_NEAR_SPAN`` above the least
+        budget, as fine as ``_NEAR_WORK`` allows (exact when every size shares a divisor that makes it affordable):
+        near the least budget the whole-range tables' rounding to slots decides which schedules fit, and this one's
+        slots are far smaller (docs/design.md §4). Only the schedules are kept, not the table. None when the tables
+        are exact already, the least budget is above ``max_budget``, or ``single_level``."""
+        least = self._tables[-1].max_budget if self._tables[-1].slots == 0 else None  # the _least_table, if any
+        if least is None or _NEAR_WORK <= 0 or self._tables[0].slots == self._tables[0].max_budget:
+            return None
+        L = self.chain.length
+        top = min(self.max_budget, least + -(-least * _NEAR_SPAN[0] // _NEAR_SPAN[1]))
+        cap = int(min(_NEAR_WORK / L**3, _NEAR_SLOTS, _REFINE_BYTES / ((L * (L + 1) // 2 + L + 1) * 10)))
+        g = 0
+        for v in dp_sizes(self.chain).values():
+            g = math.gcd(g, *(int(a) for a in np.ravel(v)))
+        if g > 0 and top // g <= cap:  # exact: sizes and budgets in whole multiples of g
+            table = _build_table(self.chain, top // g * g, max(1, top // g), (0, 1), solver_threads(None), False)
+        elif cap > self._tables[-2].slots * top / self._tables[-2].max_budget:  # finer than the bottom table
+            table = _build_table(self.chain, top, cap, (0, 1), solver_threads(None), False)
+        else:
+            return None
+        starts = self._candidates(table)
+        if not len(starts):
+            return None
+        return (_exact_peaks(self.chain, table, starts), table.times[starts],
+                [_rebuild_ops(table, m) for m in starts.tolist()])
+
+    @property
+    def _front_peak(self) -> np.ndarray:
+        return self._front()[0]
+
+    @property
+    def _front_t(self) -> np.ndarray:
+        return self._front()[1]
+
+    @property
+    def _front_at(self) -> list:
+        return self._front()[2]
+
+    @property
+    def _dp_min(self) -> int | None:
+        return int(self._front_peak[0]) if len(self._front_peak) else None
 
     @property
     def min_budget(self) -> int | None:
@@ -939,8 +1001,10 @@ class Solution:
 
     def _slot_schedule(self, k: int, meta: dict) -> Schedule:
         """The schedule of the front's entry ``k``, rebuilt from its table."""
-        table, m = self._front_at[k]
-        return self._finish(_rebuild_ops(self._tables[table], m), meta)
+        at = self._front_at[k]
+        if isinstance(at[0], Op):  # a near-limit schedule, kept as ops
+            return self._finish(at, meta)
+        return self._finish(_rebuild_ops(self._tables[at[0]], at[1]), meta)
 
     def _finish(self, ops: tuple[Op, ...], meta: dict) -> Schedule:
         # The predicted makespan is the simulator's (one place that counts the backward calls).
