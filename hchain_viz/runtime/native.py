@@ -323,9 +323,8 @@ def _keep_costly_compiled(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     """:func:`_keep_costly` under ``torch.compile``, where a batch norm is left to the partitioner ("prefer save"
     binds it to nothing there; in eager mode it would save the output). Decomposed, the partitioner keeps its batch
     statistics and recomputes the normalisation inside the backward's kernels, as compile's own partition does: the
-    policy sees the norm as one op and, told to recompute it, recomputes its reduction over the input too
-    (resnet_chain's selective store-all form: 1.06-1.09x the time of ``activation_memory_budget=0.5``, 0.97-0.98x with
-    this, 64.4 MiB either way, gradients bitwise the plain compiled model's; docs/compile.md)."""
+    policy sees the norm as one op and, told to recompute it, recomputes its reduction over the input too (the
+    times with and without this: docs/benchmarks.md, CHANGELOG.md)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     if "batch_norm" in _op_name(op):

@@ -107,8 +107,7 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
     Args:
         model: anything :func:`sequentialize` cuts; each stage is called with one argument, as in ``nn.Sequential``.
         loss_fn: ``loss_fn(output) -> scalar`` for the last stage's real output gradient (default: mean of squares).
-        device: where to run (default: the model's device, where the model must already be).
-        progress: a progress bar while profiling takes more than a moment (in a notebook, a widget).
+        device, progress: where to run (default: the model's device, where it must be already); a progress bar.
         estimate_for: ``"H100"``, ``"A100"`` or ``"H200"``: roofline times for that GPU (:mod:`.roofline`), sizes
             measured; ``meta["times"]`` says "estimate", ``meta["measured_fwd_time"]`` / ``["measured_bwd_time"]``
             keep the real ones.
@@ -126,8 +125,8 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             schedule applied with this chain warns at a step run in another.
 
     Returns:
-        The chain; its ``meta`` records the device, dtype, precision, ``param_bytes`` (parameters and their
-        gradients, reported beside the budget, not in it), model class, input shape, torch version and settings.
+        The chain; ``meta`` records device, dtype, precision, ``param_bytes`` (parameters and gradients, beside the
+        budget, not in it), model class, input shape, torch version and settings.
     """
     if not isinstance(warmup, int) or warmup < 0:
         raise ProfileError(f"warmup must be a non-negative integer, got {warmup!r}")
