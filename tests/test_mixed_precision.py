@@ -337,6 +337,61 @@ def test_fsdp2_with_bf16_parameters_trains_like_the_plain_model_gloo_two_process
         assert _bitwise(wa, wp)
 
 
+@gloo_rank
+def _fsdp_llama_worker(rank: int, world: int, out_dir: str, schedule_json: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    said = {}
+    for when in ("sharded first", "applied first"):
+        model, batch = _model("llama")
+        batch = {k: v.chunk(world)[rank] for k, v in batch.items()}
+        schedule = hcv.Schedule.from_json(schedule_json)
+        try:
+            if when == "applied first":
+                hcv.apply(model, schedule)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            if when == "sharded first":
+                hcv.apply(model, schedule)
+            model(**batch).loss.backward()
+            said[when] = None
+        except hcv.HChainError as e:
+            said[when] = (type(e).__name__, str(e))
+    model, batch = _model("llama")  # the same model sharded without a schedule trains in the policy's bfloat16
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    out = model(**{k: v.chunk(world)[rank] for k, v in batch.items()})
+    out.loss.backward()
+    said["plain"] = (out.logits.dtype, bool(torch.isfinite(out.loss)))
+    torch.save(said, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_fsdp2_on_a_hugging_face_model_is_refused_plainly_gloo_two_processes(tmp_path):
+    """An HF model's stages are traced (torch.export), and traced stages keep the parameters they were traced with,
+    while FSDP2 swaps in gathered (here bfloat16) copies around each forward: sharded, then applied, is refused at
+    ``apply``; applied, then sharded, at the first training call. Neither trains silently on stale parameters."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed missing")
+    model, batch = _model("llama")
+    schedule = _apply_schedule(model.to(BF16), {k: v.chunk(2)[0] for k, v in batch.items()}).__dict__[
+        "_hcv_applied"].schedule
+    mp.spawn(_fsdp_llama_worker, args=(2, str(tmp_path / "init"), str(tmp_path), schedule.to_json()), nprocs=2)
+    for rank in range(2):
+        said = torch.load(tmp_path / f"rank{rank}.pt")
+        assert said["plain"] == (BF16, True)
+        kind, message = said["sharded first"]
+        assert kind == "ScheduleMismatch" and "sharded by FSDP2" in message and "nn.Sequential" in message
+        kind, message = said["applied first"]
+        assert kind == "ScheduleMismatch" and "parameters sharded" in message
+
+
 # ---------------------------------------------------------------------------------------------- memory
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
 def test_profiled_under_autocast_predictions_bound_measured_peaks(name):
