@@ -148,6 +148,31 @@ def exhaustive(pipe: Pipeline, M: int, limit: int) -> float:
     return best
 
 
+@pytest.mark.parametrize("chain", [with_fixed(hcv.Chain.random(6, seed=3, scale=2**16)), small_transformer(4)],
+                         ids=["random", "transformer"])
+def test_lazy_candidates_answer_as_every_candidate_simulated(chain):
+    """A range's candidates are simulated only when a limit reaches them, and ranges of the same blocks share them:
+    each range's fastest fitting run and least need are what simulating every candidate gives."""
+    pipe = Pipeline(chain, 3)
+    p, U = pipe._p, len(pipe._p.units)
+    lo = pipe.least_memory(4)
+    for u0, u1 in itertools.combinations(range(U + 1), 2):
+        runs = p.runs(u0, u1)
+        fixed, step = p.fixed(u0, u1)
+        for k in (1, 2, 4):
+            assert p.least(u0, u1, k) == fixed + max(step, min(r.need(k) for r in runs))
+            for f in (1.0, 1.1, 1.4, 3.0):
+                limit = int(lo * f)
+                fits = [r for r in runs if fixed + max(step, r.need(k)) <= limit]
+                got = p.best(u0, u1, k, limit)
+                assert (got is None) == (not fits)
+                if fits:
+                    assert got.time == pytest.approx(min(r.time for r in fits), rel=1e-12)
+                    assert fixed + max(step, got.need(k)) <= limit
+    if chain.groups:  # the middle blocks are equal: their ranges share one set of candidates
+        assert p.candidates(1, 2) is p.candidates(2, 3)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_solver_matches_exhaustive_enumeration(seed):
     c = with_fixed(hcv.Chain.random(7, seed=seed, scale=2**16))

@@ -408,21 +408,38 @@ def _rank_memory(st: PipelineStage, events: list[PipeEvent], step: float) -> tup
 _SEARCH_LEAVES = 20_000
 
 
+class _Candidate:
+    """One candidate schedule of a layer range, simulated only when first asked for (:meth:`run`). ``time`` is its
+    simulated makespan; ``peak`` its peak activation bytes (for the frontier's breakpoints the budget where the
+    answer changes, which is that schedule's exact peak: the least need of any in-flight count)."""
+
+    __slots__ = ("chain", "schedule", "time", "peak", "_run")
+
+    def __init__(self, chain: Chain, schedule: Schedule, time: float, peak: int, run: StageRun | None = None) -> None:
+        self.chain, self.schedule, self.time, self.peak, self._run = chain, schedule, time, peak, run
+
+    def run(self) -> StageRun:
+        if self._run is None:
+            self._run = StageRun.of(self.chain, self.schedule)
+        return self._run
+
+
 class _Planner:
     """Per-layer-range candidates of one chain, solved once and reused across memory limits and microbatch counts.
 
     For each range of layers, the candidate schedules of its sub-chain are the breakpoints of its optimal frontier
-    (``hcv.solve``) and the uniform policies (store-all, full per-layer recomputation), each simulated once as a
-    :class:`StageRun`, sorted fastest first."""
+    (``hcv.solve``) and the uniform policies (store-all, full per-layer recomputation), sorted fastest first. Ranges
+    whose sub-chains hold the same numbers (the same blocks at another depth) share them, and a candidate is
+    simulated as a :class:`StageRun` only when a memory limit reaches it (its peak bounds every need from below)."""
 
     def __init__(self, chain: Chain, slots: int) -> None:
         from .solver import solve
 
         self.chain, self.slots, self._solve = chain, slots, solve
         self.units = split_units(chain)
-        self._runs: dict[tuple[int, int], list[StageRun]] = {}
+        self._cands: dict[tuple, list[_Candidate]] = {}
         self._chains: dict[tuple[int, int], Chain] = {}
-        self._uniform: dict[tuple[int, int], tuple[StageRun, StageRun]] = {}
+        self._uniform: dict[tuple, tuple[StageRun, StageRun]] = {}
 
     def span(self, u0: int, u1: int) -> tuple[int, int]:
         return self.units[u0][0], self.units[u1 - 1][1]
@@ -433,24 +450,38 @@ class _Planner:
             self._chains[key] = stage_chain(self.chain, *self.span(u0, u1))
         return self._chains[key]
 
+    def _key(self, u0: int, u1: int) -> tuple:
+        """What the candidates of layers u0..u1-1 depend on: the sub-chain's numbers, not its names."""
+        c = self.sub(u0, u1)
+        return tuple(getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in ("names", "groups", "meta")) \
+            + (tuple((a, b) for _, a, b in c.groups),)
+
     def uniform(self, u0: int, u1: int) -> tuple[StageRun, StageRun]:
         """(store-all, full per-layer recomputation) on layers u0..u1-1."""
-        key = (u0, u1)
+        key = self._key(u0, u1)
         if key not in self._uniform:
             c = self.sub(u0, u1)
             self._uniform[key] = (StageRun.of(c, store_all(c)),
                                   StageRun.of(c, per_layer(c) if c.groups else recompute_all(c)))
         return self._uniform[key]
 
-    def runs(self, u0: int, u1: int) -> list[StageRun]:
-        key = (u0, u1)
-        if key not in self._runs:
+    def candidates(self, u0: int, u1: int) -> list[_Candidate]:
+        """The candidates of layers u0..u1-1, fastest first (ties: the smaller peak)."""
+        key = self._key(u0, u1)
+        if key not in self._cands:
             c = self.sub(u0, u1)
             sol = self._solve(c, slots=self.slots)
-            runs = [StageRun.of(c, sol.schedule(b)) for b, _ in sol.frontier()]
-            runs += list(self.uniform(u0, u1))
-            self._runs[key] = sorted(runs, key=lambda r: (r.time, r.need(1)))
-        return self._runs[key]
+            cands = []
+            for b, _ in sol.frontier():
+                sched = sol.schedule(b)
+                cands.append(_Candidate(c, sched, sched.meta["predicted_makespan"], b))
+            cands += [_Candidate(c, r.schedule, r.time, r.working, r) for r in self.uniform(u0, u1)]
+            self._cands[key] = sorted(cands, key=lambda r: (r.time, r.peak))
+        return self._cands[key]
+
+    def runs(self, u0: int, u1: int) -> list[StageRun]:
+        """Every candidate of layers u0..u1-1 simulated, fastest first."""
+        return [c.run() for c in self.candidates(u0, u1)]
 
     def fixed(self, u0: int, u1: int) -> tuple[int, int]:
         f = self.sub(u0, u1).fixed
@@ -462,12 +493,20 @@ class _Planner:
         if fixed + step > limit:
             return None
         room = limit - fixed
-        return next((r for r in self.runs(u0, u1) if r.need(k) <= room), None)
+        for c in self.candidates(u0, u1):
+            if c.peak <= room and c.run().need(k) <= room:  # need(k) >= the peak: no simulation above the room
+                return c.run()
+        return None
 
     def least(self, u0: int, u1: int, k: int) -> int:
         """The least device memory any candidate of layers u0..u1-1 needs with ``k`` microbatches in flight."""
         fixed, step = self.fixed(u0, u1)
-        return fixed + max(step, min(r.need(k) for r in self.runs(u0, u1)))
+        least = math.inf
+        for c in sorted(self.candidates(u0, u1), key=lambda c: c.peak):
+            if c.peak >= least:
+                break  # every need from here on is at least its peak
+            least = min(least, c.run().need(k))
+        return fixed + max(step, least)
 
     def stage(self, u0: int, u1: int, run: StageRun, k: int) -> PipelineStage:
         fixed, step = self.fixed(u0, u1)
