@@ -304,15 +304,19 @@ def _fsdp_bf16_worker(rank: int, world: int, out_dir: str, schedule_json: str) -
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         xb, yb = x.chunk(world)[rank], y.chunk(world)[rank]
         losses = []
-        for step in range(2):
-            torch.manual_seed(10 * rank + step)
-            out = model(xb)
-            loss = nn.functional.cross_entropy(out.float(), yb)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append((loss.detach(), out.dtype))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PrecisionWarning)
+            for step in range(2):
+                torch.manual_seed(10 * rank + step)
+                out = model(xb)
+                loss = nn.functional.cross_entropy(out.float(), yb)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append((loss.detach(), out.dtype))
         record[label] = (losses, [p.detach().to_local().clone() for p in model.parameters()])
+        # the sharded parameters stay float32; the policy's bfloat16 copies compute, as the schedule was profiled
+        record[f"{label} warned"] = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
     torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -333,6 +337,7 @@ def test_fsdp2_with_bf16_parameters_trains_like_the_plain_model_gloo_two_process
         record = torch.load(tmp_path / f"rank{rank}.pt")
         (lp, wp), (la, wa) = record["plain"], record["applied"]
         assert [dtype for _, dtype in la] == [BF16, BF16]  # the stages ran in the policy's bfloat16
+        assert record["applied warned"] == []  # profiled in bfloat16, run in bfloat16: no precision warning
         assert _bitwise([v for v, _ in la], [v for v, _ in lp])
         assert _bitwise(wa, wp)
 

@@ -7,6 +7,7 @@ each is asserted at run time. So stages are traced in the precision that runs, a
 
 from __future__ import annotations
 
+import sys
 import warnings
 from contextlib import nullcontext
 from typing import Any
@@ -30,8 +31,22 @@ def autocast_now() -> tuple[tuple[str, torch.dtype], ...]:
 
 
 def param_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype of the model's first floating-point parameter (None: it has none)."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    """The dtype the model's weights compute in (None: it has no floating-point parameter): its first floating-point
+    parameter's, or under FSDP2 (``fully_shard``) its ``MixedPrecisionPolicy``'s ``param_dtype``, which the gathered
+    copies take for the forward while the sharded parameters keep their own."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return None if dtype is None else _fsdp_param_dtype(model) or dtype
+
+
+def _fsdp_param_dtype(model: nn.Module) -> torch.dtype | None:
+    """The ``param_dtype`` of the outermost FSDP2 module's policy (None: no FSDP2 module, or no cast)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded by it
+    if fsdp is None:
+        return None
+    outer = next((m for m in model.modules() if isinstance(m, fsdp.FSDPModule)), None)
+    # FSDP2 has no public getter for a module's policy (torch 2.13): its state's, or none when that ever moves
+    policy = getattr(outer._get_fsdp_state(), "_mp_policy", None) if outer is not None else None
+    return getattr(policy, "param_dtype", None)
 
 
 def precision_of(model: nn.Module) -> Precision:
