@@ -423,6 +423,12 @@ class _Candidate:
             self._run = StageRun.of(self.chain, self.schedule)
         return self._run
 
+    def simulated(self) -> _Candidate:
+        """This candidate with its time and peak from its simulation (a schedule without a predicted makespan)."""
+        r = self.run()
+        self.time, self.peak = r.time, r.working
+        return self
+
 
 class _Planner:
     """Per-layer-range candidates of one chain, solved once and reused across memory limits and microbatch counts.
@@ -474,7 +480,8 @@ class _Planner:
             cands = []
             for b, _ in sol.frontier():
                 sched = sol.schedule(b)
-                cands.append(_Candidate(c, sched, sched.meta["predicted_makespan"], b))
+                t = sched.meta.get("predicted_makespan")
+                cands.append(_Candidate(c, sched, t, b) if t is not None else _Candidate(c, sched, 0.0, b).simulated())
             cands += [_Candidate(c, r.schedule, r.time, r.working, r) for r in self.uniform(u0, u1)]
             self._cands[key] = sorted(cands, key=lambda r: (r.time, r.peak))
         return self._cands[key]
