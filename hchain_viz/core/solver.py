@@ -15,8 +15,9 @@ Two tables, sizes in *slots* (``unit = max_budget / slots`` bytes, rounded to wh
 The recurrences, guards, the two corrections to the published Rotor code, and how budgets are rounded to slots are
 in docs/design.md §4; the kernels below follow them line by line. What a schedule of the tables needs is counted
 again in exact bytes (``_peaks``): a :class:`Solution` answers a budget with the fastest schedule whose exact peak
-fits it, from a table over the whole range, a finer one over its bottom, and the fastest schedule at exactly the
-least budget (``_least_tree``). Tensors shared by several cuts (``chain.shared``, DESIGN §8: the residual stream
+fits it, from a table over the whole range, a finer one over its bottom, the fastest schedule at exactly the
+least budget (``_least_tree``), and, computed on first use, a far finer table up to 2% above the least budget
+(``Solution._near_limit_front``). Tensors shared by several cuts (``chain.shared``, DESIGN §8: the residual stream
 inside a layer) are counted once, as the simulator counts them: the DP charges each value what it adds beside the
 value it was computed from, which is resident whenever the DP's schedules hold it (:func:`dp_sizes`). This keeps the
 DP exact (checked against the exhaustive search with shared tensors); with ``chain.shared == ()`` nothing changes.
@@ -78,11 +79,11 @@ _MIN_BOTTOM_SLOTS = 8
 _ROUND_DOWN = (1, 5)
 _BOTTOM_ROUND = (1, 5)
 # The near-limit table of a Solution (Solution._near_limit_front): budgets up to 1/50 above the least budget, at most
-# _NEAR_SLOTS slots, this much work (slots x L^3: 4e9 is 500 slots at L = 200, 0.2-0.4 s on 2 cores) and _REFINE_BYTES
+# _NEAR_SLOTS slots, this much work (slots x L^3: 4e9 is 500 slots at L = 200, about half a second) and _REFINE_BYTES
 # while building. 0 turns it off (tests build their references without it).
 _NEAR_SPAN = (1, 50)
 _NEAR_WORK = 4e9
-_NEAR_SLOTS = 4096
+_NEAR_SLOTS = 2048
 
 # Choice codes in the tables: the chain option (also the base case i == l, and the loss), or infeasible; a leaf
 # option stores its checkpoint index j > i.
@@ -801,10 +802,12 @@ class Solution:
     store-all, ``chain.store_all_time``).
 
     Budgets above ``max_budget`` are answered as ``max_budget``. The answer at budget b is the fastest schedule of
-    the tables whose exact (simulated) peak is at most b, so it never exceeds b and never gets slower as b grows
-    (docs/design.md §4), or the fastest :mod:`~hchain_viz.core.strategies` baseline whose simulated peak fits when
-    that is faster still (DESIGN §10; :func:`~hchain_viz.core.strategies.baseline_frontier`, computed on first use
-    and cached per chain, shared with the explorer's baseline points). A schedule's ``meta["source"]`` says which it
+    the tables (with, from the first answer on, a far finer one up to 2% above the least budget: the first answer
+    takes up to about half a second longer) whose exact (simulated) peak is at most b, so it never exceeds b and
+    never gets slower as b grows (docs/design.md §4), or the fastest :mod:`~hchain_viz.core.strategies` baseline
+    whose simulated peak fits when that is faster still (DESIGN §10;
+    :func:`~hchain_viz.core.strategies.baseline_frontier`, computed on first use and cached per chain, shared with
+    the explorer's baseline points). A schedule's ``meta["source"]`` says which it
     is: ``"dp"`` or ``"baseline:<family>(<setting>)"`` (e.g. ``"baseline:periodic(3)"``). For a single budget,
     :func:`optimal_schedule` also re-solves at a finer resolution (``"dp-refined"``).
     """
@@ -1287,7 +1290,8 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     ``max_budget``: bytes (int) or text like ``"300MiB"``; default the store-all peak, above which nothing gets
     faster. ``slots``: the memory resolution (capped at ``max_budget``, which makes integer sizes exact): half of it
     spans the whole range, and a second table the bottom up to 1.5x the least budget; both finer on chains shorter
-    than 300 stages, where a table is cheap (docs/design.md §4). Time O(slots·L³), memory about ``slots·L²·5``
+    than 300 stages, where a table is cheap (docs/design.md §4); the :class:`Solution` adds a far finer table up to
+    2% above the least budget on its first answer. Time O(slots·L³), memory about ``slots·L²·5``
     bytes while building (only the int16 choices are kept).
     ``threads``: threads of the table fill (default: the free cores, see :func:`solver_threads`); the table does not
     depend on it.
