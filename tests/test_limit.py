@@ -55,9 +55,11 @@ def test_random_chains_within_one_percent_near_the_least_budget(L, seed, monkeyp
     _check_near_limit(hcv.Chain.random(L, seed=seed), fine_slots=4000, monkeypatch=monkeypatch)
 
 
-# Chains whose answer at exactly the least budget was 7-32% slower than the reference before the near-limit table:
+# Chains whose answer at exactly the least budget was 7-34% slower than the reference before the near-limit tables
+# (random(130, seed=302) also with one rounding of them):
 # there only the rounding of sizes to slots decides which schedules fit.
-@pytest.mark.parametrize("L,seed", [(40, 13), pytest.param(150, 19, marks=pytest.mark.slow),
+@pytest.mark.parametrize("L,seed", [(40, 13), pytest.param(130, 302, marks=pytest.mark.slow),
+                                    pytest.param(150, 19, marks=pytest.mark.slow),
                                     pytest.param(200, 17, marks=pytest.mark.slow)])
 def test_within_one_percent_at_exactly_the_least_budget(L, seed, monkeypatch):
     _check_near_limit(hcv.Chain.random(L, seed=seed), fine_slots=4000, monkeypatch=monkeypatch,

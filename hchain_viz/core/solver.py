@@ -78,12 +78,14 @@ _MIN_BOTTOM_SLOTS = 8
 # are then nearer the truth on average (the exact peaks decide what fits). Measured in docs/benchmarks.md.
 _ROUND_DOWN = (1, 5)
 _BOTTOM_ROUND = (1, 5)
-# The near-limit table of a Solution (Solution._near_limit_front): budgets up to 1/50 above the least budget, at most
-# _NEAR_SLOTS slots, this much work (slots x L^3: 4e9 is 500 slots at L = 200, about half a second) and _REFINE_BYTES
-# while building. 0 turns it off (tests build their references without it).
+# The near-limit tables of a Solution (Solution._near_limit_front): budgets up to 1/50 above the least budget, one per
+# rounding of _NEAR_ROUNDS (see _slot_sizes), each at most _NEAR_SLOTS slots and _REFINE_BYTES while building, all
+# together at most this much work (slots x L^3: 8e9 is 2 x 500 slots at L = 200, about half a second). 0 turns them off
+# (tests build their references without them).
 _NEAR_SPAN = (1, 50)
-_NEAR_WORK = 4e9
+_NEAR_WORK = 8e9
 _NEAR_SLOTS = 2048
+_NEAR_ROUNDS = ((0, 1), (1, 5))
 
 # Choice codes in the tables: the chain option (also the base case i == l, and the loss), or infeasible; a leaf
 # option stores its checkpoint index j > i.
@@ -870,31 +872,38 @@ class Solution:
         return np.array(cand, np.int64)
 
     def _near_limit_front(self) -> tuple[np.ndarray, np.ndarray, list] | None:
-        """(exact peaks, times, ops) of the schedules of a table over budgets up to ``_NEAR_SPAN`` above the least
-        budget, as fine as ``_NEAR_WORK`` allows (exact when every size shares a divisor that makes it affordable):
-        near the least budget the whole-range tables' rounding to slots decides which schedules fit, and this one's
-        slots are far smaller (docs/design.md §4). Only the schedules are kept, not the table. None when the tables
-        are exact already, the least budget is above ``max_budget``, or ``single_level``."""
+        """(exact peaks, times, ops) of the schedules of tables over budgets up to ``_NEAR_SPAN`` above the least
+        budget, as fine as ``_NEAR_WORK`` allows (one exact table when every size shares a divisor that makes it
+        affordable, else one per rounding of ``_NEAR_ROUNDS``): near the least budget the whole-range tables'
+        rounding to slots decides which schedules fit, and these slots are far smaller (docs/design.md §4). Only the
+        schedules are kept, not the tables. None when the tables are exact already, the least budget is above
+        ``max_budget``, or ``single_level``."""
         least = self._tables[-1].max_budget if self._tables[-1].slots == 0 else None  # the _least_table, if any
         if least is None or _NEAR_WORK <= 0 or self._tables[0].slots == self._tables[0].max_budget:
             return None
         L = self.chain.length
         top = min(self.max_budget, least + -(-least * _NEAR_SPAN[0] // _NEAR_SPAN[1]))
-        cap = int(min(_NEAR_WORK / L**3, _NEAR_SLOTS, _REFINE_BYTES / ((L * (L + 1) // 2 + L + 1) * 10)))
+        cap = int(min(_NEAR_WORK / len(_NEAR_ROUNDS) / L**3, _NEAR_SLOTS,
+                      _REFINE_BYTES / ((L * (L + 1) // 2 + L + 1) * 10)))
         g = 0
         for v in dp_sizes(self.chain).values():
             g = math.gcd(g, *(int(a) for a in np.ravel(v)))
-        if g > 0 and top // g <= cap:  # exact: sizes and budgets in whole multiples of g
-            table = _build_table(self.chain, top // g * g, max(1, top // g), (0, 1), solver_threads(None), False)
+        threads = solver_threads(None)
+        if g > 0 and top // g <= cap * len(_NEAR_ROUNDS):  # exact: sizes and budgets in whole multiples of g
+            tables = [_build_table(self.chain, top // g * g, max(1, top // g), (0, 1), threads, False)]
         elif cap > self._tables[-2].slots * top / self._tables[-2].max_budget:  # finer than the bottom table
-            table = _build_table(self.chain, top, cap, (0, 1), solver_threads(None), False)
+            # Which schedules fit exactly at the least budget depends on how their sizes round: each rounding
+            # finds some the other misses.
+            tables = [_build_table(self.chain, top, cap, r, threads, False) for r in _NEAR_ROUNDS]
         else:
             return None
-        starts = self._candidates(table)
-        if not len(starts):
-            return None
-        return (_exact_peaks(self.chain, table, starts), table.times[starts],
-                [_rebuild_ops(table, m) for m in starts.tolist()])
+        peaks, times, ops = [], [], []
+        for table in tables:
+            starts = self._candidates(table)
+            peaks.append(_exact_peaks(self.chain, table, starts))
+            times.append(table.times[starts])
+            ops += [_rebuild_ops(table, m) for m in starts.tolist()]
+        return np.concatenate(peaks), np.concatenate(times), ops
 
     @property
     def _front_peak(self) -> np.ndarray:
