@@ -77,7 +77,7 @@ def _demo_comparison(chain, solution) -> tuple[list[tuple[str, ...]], list[str],
     """At three budgets across the feasible range: the optimal step time, each demo baseline's (with how much slower
     it is), and the best of every baseline that fits (any family, any setting: what a user could run in that memory).
     Returns the table rows, notes on baselines that keep one schedule, and per budget how much slower the best
-    baseline that fits is than the optimum (never negative: DESIGN §10)."""
+    baseline that fits is than the optimum (never negative: docs/design.md §10)."""
     from .core import strategies
     from .core.simulate import simulate
     from .core.units import format_bytes, format_time
@@ -156,7 +156,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"{name}: {chain.length} stages. Plain training (store-all) takes {format_time(chain.store_all_time)} per "
           f"step and keeps\nup to {format_bytes(solution.store_all_peak)} of activations; the least any schedule "
           f"needs is {format_bytes(solution.min_budget)}.")
-    note = chain.timing_note()  # one line: identical layers sharing one cost (DESIGN §10), the rest's spread
+    note = chain.timing_note()  # one line: identical layers sharing one cost (docs/design.md §10), the rest's spread
     if note is not None:
         print("Timing: " + note.replace("; ", ";\n        ") + ".")
         if spread is not None and spread > 0.10:

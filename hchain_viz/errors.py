@@ -15,7 +15,7 @@ class InvalidChain(HChainError, ValueError):
 
 
 class InvalidSchedule(HChainError, ValueError):
-    """A schedule breaks the operation grammar or the memory model (DESIGN §3); names the first bad op."""
+    """A schedule breaks the operation grammar or the memory model (docs/design.md §3); names the first bad op."""
 
     def __init__(self, message: str, index: int | None = None):
         super().__init__(message)
@@ -45,7 +45,7 @@ class DependencyError(HChainError, ImportError):
 
 class DoesNotFit(InfeasibleBudget):
     """A training step does not fit a device's memory whatever the schedule; ``min_budget`` is the least device
-    memory (bytes, margin included) that fits (DESIGN §7)."""
+    memory (bytes, margin included) that fits (docs/design.md §7)."""
 
 
 class AlreadyApplied(HChainError, ValueError):

@@ -3,12 +3,12 @@
 Two of them (STYLE: every kernel is tested against a naive twin, and the optimum against a brute force):
 
 - :func:`brute_force` — an exhaustive shortest-path search (Dijkstra) over *every* op sequence the grammar allows on a
-  small chain, each step checked by the memory model of DESIGN §3. It knows nothing of the DP's structure (no
+  small chain, each step checked by the memory model of docs/design.md §3. It knows nothing of the DP's structure (no
   sub-chains): it only knows which op may follow which state, what it costs and what it leaves. Its state transition
   :func:`step` re-implements ``simulate``'s rules; ``test_solver`` checks it against ``simulate`` on random op
   sequences, and every path it returns is replayed through ``simulate``. ``relaxed=True`` also searches schedules
   outside the model (a kept checkpoint consumed early), to show what the model leaves out.
-- :func:`twin_solve` — the recurrences of DESIGN §4 written as plain Python over dicts, filled in the other order the
+- :func:`twin_solve` — the recurrences of design.md §4 written as plain Python over dicts, filled in the other order the
   design allows (m outermost, spans of increasing length inside), so the Numba kernel is checked entry by entry
   against code that shares none of its loops, indexing or layout. Only the tie rule is shared on purpose (the twin
   must pick the same option when two have equal time, so the op lists can be compared too).
@@ -45,8 +45,8 @@ class State(NamedTuple):
     res: frozenset
     loss_done: bool
     bwd_done: frozenset
-    kept: frozenset = frozenset()  # stages whose input a Fck kept: checkpoints until their B (DESIGN §3 as amended)
-    # Tensor identity (DESIGN §8): per shared tensor of ``chain.shared``, the resident values ``(kind, stage)`` that
+    kept: frozenset = frozenset()  # stages whose input a Fck kept: checkpoints until their B (docs/design.md §3.4)
+    # Tensor identity (design.md §8): per shared tensor of ``chain.shared``, the resident values ``(kind, stage)`` that
     # hold the same copy, as a frozenset of groups (frozensets). A group of n values saves (n - 1) x its bytes.
     groups: tuple = ()
 
@@ -312,7 +312,7 @@ def brute_min_budget(chain: Chain) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The plain-Python twin of the DP (DESIGN §4)
+# The plain-Python twin of the DP (docs/design.md §4)
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -339,14 +339,14 @@ class Twin(NamedTuple):
 
 
 def twin_solve(chain: Chain, max_budget: int, slots: int, tie_rtol: float) -> Twin:
-    """Fill C and D for every m in 0..slots, exactly as DESIGN §4 states them (sizes rounded up to slots)."""
+    """Fill C and D for every m in 0..slots, exactly as docs/design.md §4 states them (sizes rounded up to slots)."""
     L = chain.length
     S = slots
     up = lambda v: _ceil_div(v * S, max_budget)  # noqa: E731  (bytes -> slots, rounded up)
     x = [up(v) for v in chain.delta_bytes] + [0]  # the δ's (x[L+1] = 0: nothing arrives from beyond the loss)
 
     def common(i: int, j: int) -> int:
-        """Bytes of the shared tensors that cross every cut i..j (DESIGN §8)."""
+        """Bytes of the shared tensors that cross every cut i..j (docs/design.md §8)."""
         return sum(nbytes for first, last, nbytes in chain.shared if first <= i and j <= last)
 
     xs = {(i, j): up(chain.x[j] - common(i, j)) for i in range(L + 1) for j in range(i + 1, L + 1)}  # x_j beside x_i
@@ -472,7 +472,7 @@ def twin_schedule(twin: Twin, L: int, s: int) -> Schedule:
 
 
 def frozen_simulate(chain: Chain, schedule: Schedule) -> list[tuple]:
-    """Replay ``schedule`` on ``chain`` under the memory model of DESIGN §3.
+    """Replay ``schedule`` on ``chain`` under the memory model of docs/design.md §3.
 
     Raises :class:`InvalidSchedule` naming the first op that needs something not resident, creates something
     already resident, is out of range, or when the schedule ends before every backward has run.
@@ -597,7 +597,7 @@ def _frozen_input_available(res: dict, i: int) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Exhaustive search with offloading (DESIGN §9)
+# Exhaustive search with offloading (docs/design.md §9)
 # ----------------------------------------------------------------------------------------------------------------
 def all_remat_schedules(chain: Chain) -> list[tuple[Op, ...]]:
     """Every complete remat-only op sequence of the model (no budget), by depth-first search over :func:`step`; a

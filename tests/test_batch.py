@@ -1,5 +1,5 @@
 """runtime/batch.py (profile_batches), the ``fit`` command and the throughput figure: a chain as a function of the
-batch size, checked on a held-out size, and the largest batch per strategy on a device (DESIGN §7)."""
+batch size, checked on a held-out size, and the largest batch per strategy on a device (docs/design.md §7)."""
 
 from __future__ import annotations
 

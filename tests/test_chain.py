@@ -305,7 +305,7 @@ def test_time_spread_is_read_from_meta_weighted_by_time():
                      meta={"time_spread": bad}).time_spread is None
 
 
-# ------------------------------------------------------------------ tied stages (DESIGN §10)
+# ------------------------------------------------------------------ tied stages (docs/design.md §10)
 def test_tied_and_copy_spread_round_trip_and_validate():
     base = dict(fwd_time=[1.0] * 4, bwd_time=[2.0] * 4, x=[1] * 5, xbar=[1] * 4)
     c = Chain(**base, tied=[[3, 1], (0, 2)], copy_spread=[(0.1, 0.2), [0.0, 0.5]],

@@ -1,5 +1,5 @@
 """core/fixed.py, core/batch.py, core/device.py: the whole-step memory model, device sizes as budgets, batch-size
-fits and the largest batch (DESIGN §7). Torch-free."""
+fits and the largest batch (docs/design.md §7). Torch-free."""
 
 from __future__ import annotations
 

@@ -474,7 +474,7 @@ def test_a_chain_of_compiled_stages_says_so(ex, chain, solution):
 
 def test_explorer_shows_an_offload_solution():
     """Explorer(chain, solution=hcv.solve(chain, offload=True)): the schedules carry transfers, the timeline their
-    lanes, the frontier both curves (DESIGN §9)."""
+    lanes, the frontier both curves (docs/design.md §9)."""
     import hchain_viz as hcv
 
     base = hcv.Chain.random(10, seed=3)

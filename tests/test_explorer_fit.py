@@ -1,4 +1,4 @@
-"""The explorer's device panel and batch-size box (DESIGN §7): presets and custom sizes, the margin, the whole-step
+"""The explorer's device panel and batch-size box (design.md §7): presets and custom sizes, the margin, the whole-step
 axis with the fixed part as a band, a plain message when nothing fits, and throughput against the batch size."""
 
 from __future__ import annotations

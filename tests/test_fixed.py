@@ -1,6 +1,6 @@
 """runtime/fixed.py with profile(optimizer=) and measure(optimizer=): the fixed part of a training step measured
 from the real optimizer, the whole-step peak predicted against the measured one, and the user's model and optimizer
-left as found (DESIGN §7)."""
+left as found (docs/design.md §7)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """hcv.wrap composes with FSDP2 (``torch.distributed.fsdp.fully_shard``), on gloo with two CPU processes: the loss
 and the gradients equal those of the same FSDP2 model without wrap, and the fixed memory predicted with
-``world_size=2`` matches what each rank holds (DESIGN §7)."""
+``world_size=2`` matches what each rank holds (docs/design.md §7)."""
 
 from __future__ import annotations
 

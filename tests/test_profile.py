@@ -225,7 +225,7 @@ def _check_schedules(model, x, chain, schedules, *, lowest):
 
 
 def test_transit_bytes_are_found_freed_and_predicted(monkeypatch):
-    """DESIGN §3 as amended: x_1 = W x_0 is needed by no backward; the profile says so (transit[1] = its bytes), the
+    """docs/design.md §3.4: x_1 = W x_0 is needed by no backward; the profile says so (transit[1] = its bytes), the
     executor frees it after Fall(1) (store-all's measured peak is that much lower than with it held), every
     schedule's measured peak stays within its prediction, and the gradients equal eager training's."""
     from hchain_viz.runtime import wrap as wrap_module
@@ -266,7 +266,7 @@ class _Spread(nn.Module):
 
 
 def test_consumed_bytes_are_found_freed_and_predicted(monkeypatch):
-    """DESIGN §3 as amended: x_3 = 2 W x_2 is needed only by B(3) (the Linear after it saves it); the profile says so
+    """docs/design.md §3.4: x_3 = 2 W x_2 is needed only by B(3) (the Linear after it saves it); the profile says so
     (consumed[3] = its bytes; consumed[1], consumed[2]: the Linears' outputs likewise). This schedule recomputes x_1
     between B(3) and B(2), so the two backwards run apart: the executor frees x_3 after B(3), before that wide
     recomputation, as the model charges it (without, the step measures 2 MiB above its prediction). Under store-all

@@ -1,4 +1,4 @@
-"""core/simulate.py: the memory model of DESIGN §3, checked against hand-computed numbers, and every error case.
+"""core/simulate.py: the memory model of docs/design.md §3, checked against hand-computed numbers, and every error case.
 
 The hand chain uses powers of two so every memory figure below can be read back as a sum of named items:
 x = [1, 2, 4] (x_0, x_1, x_2 = the output), xbar = [8, 16], fwd_tmp = [32, 64], bwd_tmp = [128, 256];
@@ -145,7 +145,7 @@ def test_wrong_argument_types():
 
 
 # ---------------------------------------------------------------------------------------------------- shared tensors
-# DESIGN §8: a residual of 2 bytes crosses cuts x_0..x_2 of a 3-stage chain (x = [3, 4, 5, 1]).
+# docs/design.md §8: a residual of 2 bytes crosses cuts x_0..x_2 of a 3-stage chain (x = [3, 4, 5, 1]).
 SH = Chain(fwd_time=[1.0, 1.0, 1.0], bwd_time=[1.0, 1.0, 1.0], x=[3, 4, 5, 1], xbar=[6, 7, 1], shared=[(0, 2, 2)])
 
 

@@ -1,4 +1,4 @@
-"""The executor (runtime/wrap.py, DESIGN §5): training by any schedule equals eager training, bit for bit.
+"""The executor (runtime/wrap.py, docs/design.md §5): training by any schedule equals eager training, bit for bit.
 
 Every model below is trained for three SGD steps eagerly and wrapped by every baseline strategy and by the optimal
 schedule at several budgets; outputs, input and parameter gradients, buffers and the global RNG state must be

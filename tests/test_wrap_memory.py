@@ -1,4 +1,4 @@
-"""Memory as predicted: a wrapped training step measured on the CPU peaks where the simulator says (DESIGN §3).
+"""Memory as predicted: a wrapped training step measured on the CPU peaks where the simulator says (docs/design.md §3).
 
 For each demo model: profile it, solve, and at five budgets across the feasible range measure one real step of the
 optimal schedule. The measured activation peak must not exceed the simulated peak by more than 5% plus a small

@@ -5,7 +5,7 @@
 - ``train``: optimal schedules vs PyTorch's checkpoint_sequential at equal measured memory.
 - ``widget``: server-side time of one explorer budget change.
 - ``models``: automatic chain extraction on real architectures.
-- ``fit``: whole-step peaks and largest batch sizes, predicted vs measured (will it fit, DESIGN §7).
+- ``fit``: whole-step peaks and largest batch sizes, predicted vs measured (will it fit, docs/design.md §7).
 - ``compile``: compiled stages under the optimal schedule against torch.compile's activation_memory_budget.
 - ``transformers``: transformer chains at module and sub-layer granularity vs per-layer and selective recomputation.
 - ``offload``: remat-only vs remat+offload makespans at three links, in simulation (GPU-like times).

@@ -1,4 +1,4 @@
-"""Benchmark ``fit``: does "will it fit" predict real training steps? (DESIGN §7)
+"""Benchmark ``fit``: does "will it fit" predict real training steps? (docs/design.md §7)
 
 For each demo model and optimizer: profile at two batch sizes with the optimizer (``profile_batches``), then at
 batch sizes NOT used for the fit,

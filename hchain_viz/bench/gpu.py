@@ -510,7 +510,7 @@ def fidelity_model(ctx: Ctx, name: str, size: dict[str, Any], granularity: Any =
     """Profile model ``name`` at ``size`` (and ``granularity``), then measure eager, store-all and N_BUDGETS optimal
     schedules; write a table; return (status word, [(peak ratio, time ratio or None)] of the measured points).
 
-    ``optimizer`` ("adamw"): the whole step (DESIGN §7): profile and measure with that optimizer and compare
+    ``optimizer`` ("adamw"): the whole step (docs/design.md §7): profile and measure with that optimizer and compare
     ``device_peak`` (fixed part + activations), predicted vs measured. ``compare``: also the throughput gain over
     ``checkpoint_sequential`` on the same stages at equal measured memory (``bench models``' comparison)."""
     from torch import nn
@@ -737,7 +737,7 @@ def section_sublayer(ctx: Ctx) -> str:
 def section_fixed(ctx: Ctx) -> str:
     sizes = FIDELITY_QUICK if ctx.quick else FIDELITY_SIZES
     ctx.write("Profiled and measured with the optimizer: the predicted `device_peak` (fixed part + activations, "
-              "DESIGN §7) against the measured one (forward, backward, `optimizer.step()`, `zero_grad()`); goal "
+              "design.md §7) against the measured one (forward, backward, `optimizer.step()`, `zero_grad()`); goal "
               f"within 5% ([{FIXED_GOAL[0]}, {FIXED_GOAL[1]}]).")
     results = [fidelity_model(ctx, name, sizes[name], optimizer="adamw") for name in ("resnet_chain", "nanogpt")]
     return _summary(results, FIXED_GOAL)

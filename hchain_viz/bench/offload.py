@@ -1,4 +1,4 @@
-"""Benchmark of recompute-or-offload (DESIGN §9), in simulation.
+"""Benchmark of recompute-or-offload (docs/design.md §9), in simulation.
 
     python -m hchain_viz bench offload [--gpu H100] [--grid N] [--layers 32]
 

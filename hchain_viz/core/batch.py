@@ -1,4 +1,4 @@
-"""A chain as a function of the batch size (DESIGN §7): per-stage times and sizes fitted from profiles at two or
+"""A chain as a function of the batch size (docs/design.md §7): per-stage times and sizes fitted from profiles at two or
 more batch sizes, checked on a batch size not used for the fit.
 
 Every field is fitted per entry as ``a + b·B`` by least squares (exact through two points). Activation sizes are
@@ -31,7 +31,7 @@ class BatchFit:
     - ``batch``: the batch size the chain carrying this fit is at.
     - ``sizes``: the batch sizes profiled for the fit.
     - ``coef``: ``((field, intercepts, slopes), ...)`` for each of :data:`FIELDS`, one pair per entry; and
-      ``"shared"`` for the bytes of the chain's shared tensors (DESIGN §8) when it has any.
+      ``"shared"`` for the bytes of the chain's shared tensors (docs/design.md §8) when it has any.
     """
 
     batch: int

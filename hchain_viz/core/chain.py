@@ -1,4 +1,4 @@
-"""The chain model (DESIGN §2): per-stage times and sizes of a network seen as stages 0..L-1 followed by the loss.
+"""The chain model (design.md §2): per-stage times and sizes of a network seen as stages 0..L-1 followed by the loss.
 
 A :class:`Chain` is plain numbers. It is what the profiler produces, what the solver and the simulator read, and what
 round-trips through JSON so a profile taken on a GPU machine can be explored anywhere.
@@ -265,7 +265,7 @@ class Chain:
             return None
         return float((np.dot(f[free], fwd) + np.dot(b[free], bwd)) / total)
 
-    # ------------------------------------------------------------------ whole step (DESIGN §7)
+    # ------------------------------------------------------------------ whole step (docs/design.md §7)
     @property
     def batch(self) -> int | None:
         """The batch size this chain is at, when it carries a batch-size fit."""
@@ -278,7 +278,7 @@ class Chain:
         return at_batch(self, batch)
 
     def with_world_size(self, world_size: int) -> Chain:
-        """This chain with its fixed part sharded over ``world_size`` ranks (FSDP / ZeRO-3 style; DESIGN §7)."""
+        """This chain with its fixed part sharded over ``world_size`` ranks (FSDP / ZeRO-3 style; docs/design.md §7)."""
         if self.fixed is None:
             raise InvalidChain("this chain does not know its fixed memory; profile it with optimizer=... "
                                "(hcv.profile(model, x, loss_fn, optimizer=opt)) before sharding it")

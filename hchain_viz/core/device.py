@@ -1,4 +1,4 @@
-"""Will it fit: a training step's whole device memory, device sizes as budgets, and the largest batch (DESIGN §7).
+"""Will it fit: a training step's whole device memory, device sizes as budgets, and the largest batch (design.md §7).
 
 The DP and the simulator work on activation memory (§3). A device holds more: the chain's fixed part
 (:class:`~hchain_viz.core.fixed.FixedMemory`: parameters, gradients, optimizer state, buffers). Over one step:
@@ -143,7 +143,7 @@ def least_device_memory(chain: Chain, margin: float = DEFAULT_MARGIN, solution: 
 
 def activation_budget(chain: Chain, device_memory: int | str, margin: float = DEFAULT_MARGIN,
                       solution: Solution | None = None) -> int:
-    """The activation budget (bytes, DESIGN §3) a device of ``device_memory`` leaves: usable memory minus the fixed
+    """The activation budget (bytes, design.md §3) a device of ``device_memory`` leaves: usable memory minus the fixed
     part with every gradient resident. Raises :class:`DoesNotFit` when the fixed part or the optimizer step alone
     exceeds the device."""
     fixed = _fixed_of(chain)

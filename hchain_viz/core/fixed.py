@@ -1,4 +1,4 @@
-"""The fixed part of a training step's memory (DESIGN §7): what no checkpointing schedule changes.
+"""The fixed part of a training step's memory (docs/design.md §7): what no checkpointing schedule changes.
 
 A :class:`FixedMemory` records, for one model and its optimizer, the bytes of the parameters, of their gradients
 (per stage, since a gradient appears during its stage's backward), of the optimizer state and of the buffers, plus

@@ -273,7 +273,7 @@ def _best_discounted(chain: Chain, discounted: list, budget: int, best_t: float)
 # Public API
 # ------------------------------------------------------------------------------------------------------------------
 class OffloadSolution:
-    """The fastest schedule found mixing recomputation and offloading, for every budget (DESIGN §9).
+    """The fastest schedule found mixing recomputation and offloading, for every budget (docs/design.md §9).
 
     Attributes: ``chain`` (with its ``bandwidth``), ``remat`` (the remat-only :class:`~hchain_viz.Solution` it builds
     on), ``grid`` (the precomputed budgets, bytes, increasing), ``min_budget`` (least budget with an answer),

@@ -1,10 +1,10 @@
-"""Schedules: the op lists every strategy produces (DESIGN §3, §6).
+"""Schedules: the op lists every strategy produces (docs/design.md §3, §6).
 
 A :class:`Schedule` is a sequence of :class:`Op` — ``Fck``, ``Fn``, ``Fall``, ``Loss``, ``B`` with a stage index —
 plus free-form metadata (strategy name, budget, predicted makespan). One simulator scores every schedule, one
 executor runs it, one set of figures draws it.
 
-Two more kinds run on the transfer channel instead of the compute stream (DESIGN §9): ``Off(i)`` starts copying a
+Two more kinds run on the transfer channel instead of the compute stream (design.md §9): ``Off(i)`` starts copying a
 held value of stage i (x̄_{i+1} left by ``Fall(i)``, else the checkpoint x_i kept by ``Fck(i)``) to host memory, and
 ``Pre(i)`` starts copying it back. A schedule without them is a remat-only schedule, exactly as before.
 """

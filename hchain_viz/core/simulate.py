@@ -179,7 +179,7 @@ class Trace:
     def device_peak(self) -> int | None:
         """The whole step's peak device memory per rank: the chain's fixed part (parameters, gradients as their
         backwards create them, optimizer state, buffers) plus the activations, and the optimizer step's transient
-        (DESIGN §7; :func:`hchain_viz.core.device.device_peak`). None when the chain has no fixed part."""
+        (docs/design.md §7; :func:`hchain_viz.core.device.device_peak`). None when the chain has no fixed part."""
         from .device import device_peak
 
         return device_peak(self)
@@ -226,7 +226,7 @@ class Trace:
 
 
 def simulate(chain: Chain, schedule: Schedule) -> Trace:
-    """Replay ``schedule`` on ``chain`` under the memory model of DESIGN §3 (shared tensors counted once, §8).
+    """Replay ``schedule`` on ``chain`` under the memory model of docs/design.md §3 (shared tensors counted once, §8).
 
     Raises :class:`InvalidSchedule` naming the first op that needs something not resident (or on the host),
     creates something already resident, is out of range, or when the schedule ends before every backward has run.
@@ -260,7 +260,7 @@ def _replay(chain: Chain, schedule: Schedule, record: bool) -> Any:
     backward_done: set[int] = set()
     events = []
     top, end = x[0], 0.0  # without a record: the peak and the makespan so far
-    link = _Link(chain, res, spans, opened, kept)  # the transfer channels (DESIGN §9); idle unless Off/Pre appear
+    link = _Link(chain, res, spans, opened, kept)  # the transfer channels (design.md §9); idle unless Off/Pre appear
     transfers = bool(schedule.n_transfers)
     if transfers and not record:  # the transfers' replay needs the record
         trace = _replay(chain, schedule, True)
@@ -422,7 +422,7 @@ def _replay(chain: Chain, schedule: Schedule, record: bool) -> Any:
     if not record:
         return top, end
     lifetimes = tuple(Lifetime(*span) for span in spans)
-    if not link.used:  # remat only: the sequential numbers of DESIGN §3, exactly
+    if not link.used:  # remat only: the sequential numbers of docs/design.md §3, exactly
         return Trace(chain, schedule, tuple(Event(*e, lifetimes) for e in events), x[0], lifetimes,
                      joined=frozenset(joined))
     events, curve = link.replay_memory(events, x[0])
@@ -439,7 +439,7 @@ def _joins(i: int, source: tuple, b_pos: dict[int, int], offloaded: set[int]) ->
 
 
 class _Shared:
-    """Tensor identity for ``chain.shared`` (DESIGN §8): which instance of each shared tensor a value holds.
+    """Tensor identity for ``chain.shared`` (docs/design.md §8): which instance of each shared tensor a value holds.
 
     A shared tensor ``t = (first, last, bytes)`` is created by the forward of stage ``first - 1`` (or is part of the
     caller's x_0 when ``first == 0``) and passes unchanged through the forwards of stages ``first..last-1``. Every
@@ -506,7 +506,7 @@ class _Shared:
 
 class _Link:
     """The transfer channels and their effect on compute: which values are on the host, when prefetched values are
-    ready, and the device-memory changes in time for the event-based replay (DESIGN §9).
+    ready, and the device-memory changes in time for the event-based replay (docs/design.md §9).
 
     Shares the simulator's ``res`` / ``spans`` / ``opened`` / ``kept`` (it moves values out of and back into the
     resident set). Memory changes are ``(time, order, bytes)``; at equal times ``order`` keeps schedule order:

@@ -431,7 +431,7 @@ def baseline_frontier(chain: Chain, single_level: bool = False) -> tuple[tuple[i
     """The Pareto front of every baseline schedule of every applicable family (:func:`frontier_points`), as
     ``(peak, makespan, label, schedule)`` sorted by peak (makespans then strictly decrease): at a budget b, the
     fastest baseline that fits is the last entry with ``peak <= b``. Cached per chain; what the optimal solver checks
-    its answers against (DESIGN §10). ``single_level``: only the baselines that recompute each stage at most once
+    its answers against (design.md §10). ``single_level``: only the baselines that recompute each stage at most once
     (``Schedule.single_level``)."""
     every = sorted((c for cands in _candidates(chain).values() for c in cands
                     if not single_level or c[3].single_level), key=lambda c: (c[0], c[1], c[2]))

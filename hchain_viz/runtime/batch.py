@@ -1,4 +1,4 @@
-"""Profile a model at several batch sizes and fit its chain as a function of the batch size (DESIGN §7).
+"""Profile a model at several batch sizes and fit its chain as a function of the batch size (docs/design.md §7).
 
 ``profile_batches(model, make_batch, sizes=(8, 16))`` profiles at each size, fits every per-stage time and size as
 ``a + b·B`` (:func:`~hchain_viz.core.batch.fit_batch`), profiles once more at a held-out ``check`` size and records

@@ -1,4 +1,4 @@
-"""Measure a model's fixed memory with its real optimizer (DESIGN §7): parameters, gradients, optimizer state,
+"""Measure a model's fixed memory with its real optimizer (docs/design.md §7): parameters, gradients, optimizer state,
 buffers, the optimizer step's transient peak, on CUDA cuBLAS's workspace, and under ``torch.autocast`` its cache of
 weight copies, as a :class:`~hchain_viz.core.fixed.FixedMemory` in the precision that runs (docs/design.md §11).
 

@@ -1,7 +1,7 @@
 """Measure one real training step of any module: peak memory and step time (what the simulator predicts).
 
 ``measure(module, x, loss_fn)`` runs ``loss_fn(module(x)).backward()`` — on a plain model, or on one wrapped by a
-schedule — and reports its peak memory in the simulator's terms (DESIGN §3): the input x_0 plus everything allocated
+schedule — and reports its peak memory in the simulator's terms (design.md §3): the input x_0 plus everything allocated
 during the step above the level before it. Parameters, their gradients and buffers are constant across strategies and
 stay out of the peak: gradients are allocated (zero) before the step, so accumulating into them costs nothing new.
 
@@ -62,7 +62,7 @@ class Measurement:
     - ``input_bytes``: x_0. ``baseline_bytes``: what was resident before the step (parameters, gradients, buffers,
       the input; on CUDA, everything the allocator holds for tensors on the device).
     - ``device_peak``: everything resident at the step's peak — parameters, gradients, optimizer state, buffers, the
-      input and the activations (DESIGN §7); comparable to ``simulate(chain, schedule).device_peak``. With an
+      input and the activations (docs/design.md §7); comparable to ``simulate(chain, schedule).device_peak``. With an
       optimizer the step includes ``optimizer.step()`` and ``zero_grad()``.
     """
 

@@ -78,7 +78,7 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 def transit_storages(inputs: list[torch.Tensor], candidates: list[bool], saved: set[int],
                      outputs: list[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
-    """The storages of a stage input x_i that no backward needs (``chain.transit``, DESIGN §3 as amended), by data
+    """The storages of a stage input x_i that no backward needs (``chain.transit``, docs/design.md §3.4), by data
     pointer: those of the tensors ``inputs[k]`` with ``candidates[k]`` (made by stage i-1 and not saved by its
     backward), that this stage's backward does not save either (``saved``: data pointers of what autograd saved) and
     that it does not hand on in ``outputs``. The profiler sums their bytes; the executor frees them after Fall(i)."""

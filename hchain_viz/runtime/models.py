@@ -14,7 +14,7 @@
 Building a model never disturbs the global RNG: weights and data come from ``seed`` inside a forked RNG.
 Stages are built so that each one's input is saved by its own backward (conv, linear and norm layers first), as in
 most real networks; a stage like a standalone ReLU would let eager PyTorch free its input early, which the chain
-model (DESIGN §3) does not describe.
+model (docs/design.md §3) does not describe.
 """
 
 from __future__ import annotations

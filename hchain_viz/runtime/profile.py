@@ -13,7 +13,7 @@ docs/design.md §2.
 #   Each backward so timed is a call of its own; ``backward_call`` is what such a call costs beyond the stage's share
 #   of a backward through several stages (the engine's start, the input gradients handed between calls), measured on
 #   up to ``CALL_PAIRS`` pairs of neighbours run backward as one call and apart (:func:`_call_cost`); ``bwd_time`` is
-#   the share, the measured time less ``backward_call``, which the simulator charges once per call (DESIGN §4).
+#   the share, the measured time less ``backward_call``, which the simulator charges once per call (design.md §3.3).
 # - ``x[i]``: bytes of stage i's input (``x[L]``: the network output, and the loss computed from it with the gradient
 #   its backward starts from, which the caller holds to the end of the step), each storage counted once.
 # - ``xbar[i]``: the output plus what autograd saves for the backward, seen through
@@ -519,7 +519,7 @@ class _StageProfile:
         ins = {(t.untyped_storage().data_ptr(), t.data_ptr(), t.shape): j for j, t in enumerate(tensors(inp))}
         self.passed_on = {k: ins[key] for k, t in enumerate(tensors(out))
                           if (key := (t.untyped_storage().data_ptr(), t.data_ptr(), t.shape)) in ins}
-        # What of the output the forward did not allocate: the tensors handed on (shared, charged once; DESIGN §8).
+        # What of the output the forward did not allocate: the tensors handed on (shared, charged once; design.md §8).
         self.passed_bytes = nbytes([tensors(out)[k] for k in self.passed_on])
         self.next_input = _leaves(out)
         diff = [t for t in tensors(out) if t.requires_grad]

@@ -1,6 +1,6 @@
 """Turn a model into a chain of stages: ``sequentialize(model) -> [(name, module), ...]`` run one after another.
 
-A chain (DESIGN §2) is a list of stages where stage i receives exactly what stage i-1 returned, called with one
+A chain (docs/design.md §2) is a list of stages where stage i receives exactly what stage i-1 returned, called with one
 positional argument as ``nn.Sequential`` does (a stage returning a tuple hands the whole tuple to the next one).
 
 What is recognised, in this order:

@@ -1,10 +1,10 @@
-"""The executor (DESIGN §5): ``wrap(model, schedule)`` returns a module that trains by the schedule.
+"""The executor (docs/design.md §5): ``wrap(model, schedule)`` returns a module that trains by the schedule.
 
     wrapped = hcv.wrap(model, schedule)
     out = wrapped(x); loss = loss_fn(out); loss.backward(); opt.step()   # an ordinary training loop
 
 The forward runs the schedule's ops before ``Loss``; the backward, inside a ``torch.autograd.Function``, runs the ops
-after it. What is kept between ops follows the memory model of DESIGN §3: ``Fck``/``Fn`` run a stage without
+after it. What is kept between ops follows the memory model of docs/design.md §3: ``Fck``/``Fn`` run a stage without
 autograd (keeping / dropping its input), ``Fall`` runs it recording autograd from a detached alias of its input (so
 the graph of one stage is x̄_{i+1}), ``B(i)`` back-propagates that graph and frees it with δ_{i+1} and the checkpoint
 x_i. Consecutive ``Fall``s whose backwards are adjacent share one graph and one backward call, exactly as eager
@@ -268,7 +268,7 @@ class ScheduledModule(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- one step
 class _Step:
-    """What one training step holds, named as in the memory model (DESIGN §3).
+    """What one training step holds, named as in the memory model (docs/design.md §3).
 
     ``x[i]``: plain activations (x_0 and checkpoints); ``xbar[i]``: (input leaves, output) of ``Fall(i)``, whose
     autograd graph is x̄_{i+1}; ``delta[i]``: δ_i as a list aligned with the tensors of x_i.
@@ -298,7 +298,7 @@ class _Step:
         self.devices = cuda_devices(x0)
         self.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
         self.autocast_cache = torch.is_autocast_cache_enabled()
-        # The transfer channel (Off/Pre, DESIGN §9): only for schedules that have transfers.
+        # The transfer channel (Off/Pre, docs/design.md §9): only for schedules that have transfers.
         self.link = (Link(torch.device("cuda", self.devices[0]) if self.devices else None)
                      if module.schedule.n_transfers else None)  # (devices are indices)
         # Which input tensors each Fall frees depends on what the stages save, fixed by their code, the cuts'
@@ -356,7 +356,7 @@ class _Step:
         return self.x[i] if i in self.x else self.xbar[i - 1][1]
 
     def _transfer(self, kind: str, i: int) -> None:
-        """Off(i) / Pre(i) (DESIGN §9): what moves is decided as in the simulator (x̄_{i+1} if resident, else the
+        """Off(i) / Pre(i) (docs/design.md §9): what moves is decided as in the simulator (x̄_{i+1} if resident, else the
         checkpoint x_i); see :mod:`hchain_viz.runtime.transfer`."""
         if kind == "Pre":
             self.link.pre(i)
@@ -439,7 +439,7 @@ class _Step:
         if self.link is None and (self.frees is None or i + 1 in self.m._frees_made):
             self._note_made(i, [storage_key(t) for t in flat], pointers(flatten(out)[0]))
         if kind == "Fn":
-            # NOTE [memory model]: Fn frees its input x_i right after the op (DESIGN §3).
+            # NOTE [memory model]: Fn frees its input x_i right after the op (docs/design.md §3).
             del self.x[i]
         if i + 1 == self.L:
             self.out = out
@@ -472,8 +472,8 @@ class _Step:
                       in_xbar: bool, joined: bool) -> set[int]:
         """``in_keys``: the storage keys of ``inputs``; ``out_keys``: those of the stage's output. Returns the keys of
         the storages freed now (the transit part)."""
-        # NOTE [memory model]: after Fall(i), the part of x_i that no backward needs is freed (chain.transit, DESIGN
-        # §3 as amended): storages stage i-1 made that neither its graph (when x_i is inside x̄_i) nor stage i's
+        # NOTE [memory model]: after Fall(i), the part of x_i that no backward needs is freed (chain.transit,
+        # docs/design.md §3.4): storages stage i-1 made that neither its graph (when x_i is inside x̄_i) nor stage i's
         # saved and that stage i does not hand on. Eager autograd frees them here too; we hold them in x̄_i or in a
         # checkpoint, so their memory is released in place (no backward and no later forward reads them: a forward
         # of stage i cannot run again before B(i)). The tensors stay, for their shapes (δ_i matches them).
@@ -520,7 +520,7 @@ class _Step:
 
     def _backward_op(self, i: int) -> None:
         # NOTE [memory model]: B(i) frees δ_{i+1}, x̄_{i+1} (the graph and output of Fall(i)) and, when x_i is a plain
-        # checkpoint, x_i itself (DESIGN §3). We drop every reference to δ_{i+1} and to the outputs before running
+        # checkpoint, x_i itself (design.md §3). We drop every reference to δ_{i+1} and to the outputs before running
         # the backward (a _Root node hands δ_{i+1} over), so autograd frees them as soon as it is done with them, as
         # in eager mode; the graph goes with them, and the checkpoint x_i right after. Stages k..i joined into one
         # graph are back-propagated at once by B(i); B(i-1) .. B(k) then only settle the bookkeeping, in order.
@@ -560,7 +560,7 @@ class _Step:
     def _note_eaten(self, i: int, in_keys: list[int | None], out_keys: set[int], joined: bool) -> None:
         """At Fall(i), x_i inside x̄_i: note the input tensors that stage i-2 made, stages i-2 and i-1 did not save
         (x_{i-1} inside x̄_{i-1}: Fall(i-2) ran in this step; a plain checkpoint x_{i-1} has no graph), stage i-1
-        handed on, and stage i saves and does not hand on (chain.consumed_shared, DESIGN §8): B(i) frees them. When
+        handed on, and stage i saves and does not hand on (chain.consumed_shared, design.md §8): B(i) frees them. When
         stage i-1 heads the joined graph of B(i), they are its input leaves, which x̄_{i-2} or a checkpoint also
         holds: freed as soon as autograd is done with them (their gradient is ready), as the model charges."""
         # NOTE [memory model]: the simulator frees them after B(i) when x_i is inside x̄_{i-1} (simulate._Shared).

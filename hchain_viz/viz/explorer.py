@@ -13,7 +13,7 @@ Programmatic control mirrors the controls: ``explorer.budget = nbytes``, ``explo
 ``explorer.overlay = "sqrt_n"``, ``explorer.step = k``; ``explorer.figures`` maps names to the figures.
 ``explorer.close()`` releases its widgets; a new explorer closes the ones it replaces (same chain, same cell).
 
-Will it fit (DESIGN §7): for a chain that knows its fixed part (``hcv.profile(..., optimizer=opt)``) the explorer
+Will it fit (design.md §7): for a chain that knows its fixed part (``hcv.profile(..., optimizer=opt)``) the explorer
 adds a device panel — a preset or custom device size, the allocator margin, and the memory axis: ``activations``
 (the budget of §3) or ``whole step`` (slider and frontier in device bytes, the fixed part drawn as a band). Picking a
 device sets the budget to the fastest schedule whose whole step fits, or says plainly that nothing fits. For a chain
@@ -252,7 +252,7 @@ class Explorer:
         self._step = k
         self._draw_step()
 
-    # ---------------------------------------------------------------- will it fit (DESIGN §7)
+    # ---------------------------------------------------------------- will it fit (docs/design.md §7)
     @property
     def device_memory(self) -> int | None:
         """The device chosen in the device panel (bytes), or None. Setting it (bytes, text like ``"24GiB"``, or a
@@ -286,7 +286,7 @@ class Explorer:
 
     @property
     def axis(self) -> str:
-        """``"activations"`` (the slider and the frontier in activation bytes, DESIGN §3) or ``"device"`` (in bytes
+        """``"activations"`` (the slider and the frontier in activation bytes, design.md §3) or ``"device"`` (in bytes
         of the whole step: the fixed part plus activations)."""
         return self._axis
 

@@ -1,7 +1,7 @@
 """Plotly figures of a simulated step and of the budget/time frontier: pure functions returning ``go.Figure``.
 
 - :func:`timeline`: every op a bar over time, one row per stage (forward blue, recomputed forward red, backward
-  orange, loss grey); with offloading (DESIGN §9) two transfer lanes (to host, to device) and the compute stream's
+  orange, loss grey); with offloading (design.md §9) two transfer lanes (to host, to device) and the compute stream's
   idle waits for prefetches, hatched.
 - :func:`memory_curve`: resident memory over time, stacked by kind, with the transient peaks, the budget and the peak.
 - :func:`storage_tape`: a stage × time grid of what each stage holds (checkpoint x, full x̄, output, gradient δ).
@@ -125,7 +125,7 @@ _BAND_FILL = "rgba(0, 0, 0, 0.05)"
 def _stage_axis(view: TraceView, loss_label: str = "loss", lanes: bool = False) -> dict:
     """The stage axis: one row per stage and the loss. A chain with layers (``chain.groups``, a sub-layer profile)
     is labelled by layer at the layer's middle, with a minor tick per stage; otherwise by stage. Labels are thinned
-    to at most ~24. With ``lanes`` and transfers, two more rows for the transfer channels (DESIGN §9)."""
+    to at most ~24. With ``lanes`` and transfers, two more rows for the transfer channels (docs/design.md §9)."""
     chain = view.trace.chain
     L = chain.length
     names = list(chain.names) + [loss_label]
@@ -339,7 +339,7 @@ def tape_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] 
 
     Row i holds x_i (its input, kept as a checkpoint), x̄_{i+1} (what its recording forward saved) and δ_i (the
     gradient its backward produced); row L holds the output x_L and δ_L. A tensor shared by several cuts from x_i on
-    (DESIGN §8, e.g. the residual stream) is one thin bar on row i while any value holds it; the others leave its
+    (design.md §8, e.g. the residual stream) is one thin bar on row i while any value holds it; the others leave its
     bytes out of their own. The part of x_i that no backward needs (``chain.transit``) is a thin bar on row i from its
     making to the ``Fall(i)`` that frees it; the part only B(i) needs (``chain.consumed``), one to that ``B(i)``.
     """
@@ -368,7 +368,7 @@ def tape_traces(view: TraceView, step: int | None = None, unit: tuple[str, int] 
             marker=dict(color=style.TAPE_COLORS[kind], line_width=0),
             hovertemplate="%{text}: %{customdata[0]:.4g} " + uname + "<br>%{customdata[1]:" + style.TIME_HOVER
                           + "}s → %{customdata[2]:" + style.TIME_HOVER + "}s<extra></extra>"))
-    # Values parked on the host (DESIGN §9): from the offload's completion to the prefetch's, on the value's row.
+    # Values parked on the host (design.md §9): from the offload's completion to the prefetch's, on the value's row.
     hosted = [h for h in view.trace.host_lifetimes if step is None or h.created < step]
     t0 = [float(view.end[h.created]) for h in hosted]
     t1 = [float(view.end[h.freed]) if step is None or h.freed < step else max(view.time_at(step), a)

@@ -1,6 +1,6 @@
 """Colours, labels and axis formatting shared by every figure, the explorer and the HTML export.
 
-One place decides how things look: op colours (DESIGN §6: forward blue, backward orange, loss grey, recomputation a
+One place decides how things look: op colours (design.md §6: forward blue, backward orange, loss grey, recomputation a
 distinct colour), memory-kind colours, and how bytes and seconds become axis ticks and hover text. Numbers stay in
 bytes and seconds inside figures; only the labels are pretty-printed, through :mod:`hchain_viz.core.units`.
 """

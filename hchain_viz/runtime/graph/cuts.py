@@ -39,7 +39,7 @@ class _Cuts:
         """A cut inside a block: a few tensors cross (the residual stream or a residual block's input, the current
         value, what attention still needs such as v), none written in place later. The feature maps of a dense
         block (values only concatenations still read) count as one, however many: the list of features so far,
-        each map a tensor that crosses every later cut of the block and is counted once (DESIGN §8)."""
+        each map a tensor that crosses every later cut of the block and is counted once (docs/design.md §8)."""
         values = self.crossing[p]
         mains = [v for v in values if v in self.param]
         features = [v for v in mains if self._feature(v, p)]

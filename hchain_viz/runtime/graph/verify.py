@@ -1,5 +1,5 @@
 """Verification: the stages run in sequence must reproduce the model on the sample input, forward *and* backward
-(DESIGN §5, "Extraction is verified on the backward too"), leaving no trace (RNG, buffers and ``.grad`` untouched).
+(docs/design.md §5.4), leaving no trace (RNG, buffers and ``.grad`` untouched).
 
 The backward check is what catches a tracer that changed the math without changing the values: tracing through a
 custom ``torch.autograd.Function`` keeps its forward and silently replaces its backward (see functions.py).
