@@ -56,7 +56,7 @@ def small_int_chains(draw, max_len: int = 5, max_size: int = 3, zeros: bool = Tr
 
 @st.composite
 def shared_int_chains(draw, max_len: int = 5) -> hcv.Chain:
-    """:func:`small_int_chains` with one to three shared tensors (DESIGN §8): each crosses a run of cuts, at most
+    """:func:`small_int_chains` with one to three shared tensors (design.md §8): each crosses a run of cuts, at most
     the room the cuts have left."""
     chain = draw(small_int_chains(max_len=max_len, max_size=4, zeros=False))
     L, x = chain.length, chain.x
@@ -226,7 +226,7 @@ def _check_against_brute_force(chain: hcv.Chain) -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_optimum_with_backward_calls_equals_every_schedule_simulated(seed):
-    """chain.backward_call (DESIGN §4): the simulator charges it once per backward call (store-all: one; each
+    """chain.backward_call (docs/design.md §4): the simulator charges it once per backward call (store-all: one; each
     checkpoint that starts a graph of its own: one more). The DP's answer at every budget equals the fastest of every
     persistent schedule of the model, each timed by the simulator, not by the DP's own sums."""
     import dataclasses
@@ -290,14 +290,14 @@ def test_optimum_equals_brute_force_positive_sizes(seed):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shared_int_chains(max_len=4))
 def test_optimum_equals_brute_force_with_shared_tensors(chain):
-    """DESIGN §8: with shared tensors counted once, the DP (sizes from solver.dp_sizes) is still exact."""
+    """docs/design.md §8: with shared tensors counted once, the DP (sizes from solver.dp_sizes) is still exact."""
     _check_against_brute_force(chain)
 
 
 @pytest.mark.parametrize("make, seed", [(random_shared_chain, s) for s in range(12)]
                          + [(random_transit_chain, s) for s in range(18)])
 def test_optimum_equals_brute_force_seeded(make, seed):
-    """Shared tensors; transit bytes, gradient sizes and no-grad transients (DESIGN §3 as amended). Kept small for
+    """Shared tensors; transit bytes, gradient sizes and no-grad transients (design.md §3 as amended). Kept small for
     the suite's time; runs over 2,000 shared-tensor chains and 300 transit chains found the DP exact on all."""
     chain = make(seed, max_len=4 + seed % 2)
     _check_against_brute_force(chain)
@@ -307,7 +307,7 @@ def test_optimum_equals_brute_force_seeded(make, seed):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(transit_int_chains(max_len=4))
 def test_optimum_equals_brute_force_with_transit(chain):
-    """DESIGN §3 as amended: the part of x_i that no backward needs goes after Fall(i); the DP is still exact."""
+    """design.md §3 as amended: the part of x_i that no backward needs goes after Fall(i); the DP is still exact."""
     _check_against_brute_force(chain)
 
 
@@ -395,7 +395,7 @@ def test_min_budget_is_exact_over_all_schedules():
 
 
 def test_non_persistent_schedules_are_outside_the_model():
-    """DESIGN §4 claimed the DP matches an exhaustive search over all op sequences; it does when checkpoints persist
+    """design.md §4 claimed the DP matches an exhaustive search over all op sequences; it does when checkpoints persist
     (an x_k kept by Fck(k) is only freed by B(k)), which the simulator now requires. Without that rule this schedule
     would keep x_1 (Fck1) across the inner sub-chain and later consume it (Fn1), beating the DP's 35 with 32."""
     chain = hcv.Chain(fwd_time=[3, 1, 3, 2, 1], bwd_time=[2, 2, 1, 3, 3], x=[4, 3, 4, 4, 3, 1], xbar=[6, 7, 4, 4, 3],
@@ -791,7 +791,7 @@ def _check_never_behind(chain: hcv.Chain, sol: solver.Solution) -> tuple[int, in
 
 
 def test_never_behind_a_baseline_that_fits_random_chains():
-    """DESIGN §10 on 30 random chains at every baseline's exact peak (periodic n, revolve c, Chen, √n, store-all,
+    """design.md §10 on 30 random chains at every baseline's exact peak (periodic n, revolve c, Chen, √n, store-all,
     recompute-all): the table alone is sometimes slower there (rounding to slots); the answer never is."""
     checked = behind = 0
     for seed in range(30):

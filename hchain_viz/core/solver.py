@@ -1,4 +1,4 @@
-"""The optimal solver (docs/design.md §4): Rotor's dynamic programme, corrected for the memory model of DESIGN §3.
+"""The optimal solver (design.md §4): Rotor's dynamic programme, corrected for the memory model of docs/design.md §3.
 
 ``solve(chain)`` fills the DP tables once for every memory budget up to a maximum; the returned :class:`Solution`
 answers any budget from the schedules the tables hold (``makespan``) and rebuilds the op list from the stored choices
@@ -17,7 +17,7 @@ in docs/design.md §4; the kernels below follow them line by line. What a schedu
 again in exact bytes (``_peaks``): a :class:`Solution` answers a budget with the fastest schedule whose exact peak
 fits it, from a table over the whole range, a finer one over its bottom, the fastest schedule at exactly the
 least budget (``_least_tree``), and, computed on first use, a far finer table up to 2% above the least budget
-(``Solution._near_limit_front``). Tensors shared by several cuts (``chain.shared``, DESIGN §8: the residual stream
+(``Solution._near_limit_front``). Tensors shared by several cuts (``chain.shared``, design.md §8: the residual stream
 inside a layer) are counted once, as the simulator counts them: the DP charges each value what it adds beside the
 value it was computed from, which is resident whenever the DP's schedules hold it (:func:`dp_sizes`). This keeps the
 DP exact (checked against the exhaustive search with shared tensors); with ``chain.shared == ()`` nothing changes.
@@ -137,7 +137,7 @@ def _sub_at(m, shift, top):  # pragma: no cover - runs compiled
 
 
 def _bounds(x, xs, xbar, tr, co, ftmp, ntmp, btmp, G, LOC, SAT):  # pragma: no cover - runs compiled
-    """Per pair (i, l), in slots: ``G`` the guard (DESIGN §4: the forwards of stages i..l-1 that run before Fall(i),
+    """Per pair (i, l), in slots: ``G`` the guard (design.md §4: the forwards of stages i..l-1 that run before Fall(i),
     while x_i is whole and δ_{l+1} resident; a leaf option with its checkpoint at j needs the part for stages
     i..j-1, ``G[i, j] - x[j+1] + x[l+1]``), ``LOC`` the least m of the chain option (the base case when i == l),
     ``SAT`` the least m from which the all-chain schedule ``Fall(i..l) B(l..i)`` fits. From SAT on nothing beats it
@@ -641,7 +641,7 @@ def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, Cch, D
                 single_level: bool = False) -> None:
     """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices, on
     ``threads`` threads. Sizes in slots (see ``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes the gradients
-    δ; ``xs[i, j]`` the part of x_j not in x_i, what a value x_j costs while x_i is resident (DESIGN §8); ``xbar`` the
+    δ; ``xs[i, j]`` the part of x_j not in x_i, what a value x_j costs while x_i is resident (design.md §8); ``xbar`` the
     part of x̄_{i+1} not in x_i; ``tr[i]`` the transit part of x_i (rounded down), which Fall(i) frees; ``co[i]`` its
     consumed part (rounded down), which B(i) frees. ``call``: seconds of a backward call (``chain.backward_call``),
     charged to each leaf option, whose checkpoint x_j starts a graph of its own; the chain option joins Fall(i+1)
@@ -807,7 +807,7 @@ class Solution:
     the tables (with, from the first answer on, a far finer one up to 2% above the least budget: the first answer
     takes up to about half a second longer) whose exact (simulated) peak is at most b, so it never exceeds b and
     never gets slower as b grows (docs/design.md §4), or the fastest :mod:`~hchain_viz.core.strategies` baseline
-    whose simulated peak fits when that is faster still (DESIGN §10;
+    whose simulated peak fits when that is faster still (docs/design.md §10;
     :func:`~hchain_viz.core.strategies.baseline_frontier`, computed on first use and cached per chain, shared with
     the explorer's baseline points). A schedule's ``meta["source"]`` says which it
     is: ``"dp"`` or ``"baseline:<family>(<setting>)"`` (e.g. ``"baseline:periodic(3)"``). For a single budget,
@@ -1113,7 +1113,7 @@ def _check_slots(slots: Any) -> int:
 
 
 def dp_sizes(chain: Chain) -> dict[str, np.ndarray]:
-    """The sizes the DP charges, in bytes (DESIGN §4, amended by §8 for ``chain.shared``).
+    """The sizes the DP charges, in bytes (docs/design.md §4.1 for ``chain.shared``).
 
     - ``x`` (L+2 entries, ``x[L+1] = 0``): the gradients δ_i (``chain.delta``, never shared); ``x0``: the input x_0.
     - ``xs[i, j]`` (i < j <= L): the part of the value x_j that is not in x_i: ``x[j]`` less the shared tensors that
@@ -1291,7 +1291,7 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
           grid: Any = None, threads: int | None = None, single_level: bool = False) -> Solution:
     """Solve ``chain`` for every budget up to ``max_budget`` at once.
 
-    ``offload=True``: also offload to host memory over ``chain.bandwidth`` (DESIGN §9) and return an
+    ``offload=True``: also offload to host memory over ``chain.bandwidth`` (docs/design.md §9) and return an
     :class:`~hchain_viz.core.offload.OffloadSolution` with the same ``makespan`` / ``schedule`` / ``frontier``
     methods, precomputed at ``grid`` budgets (default 48; see ``core/offload.py``: a heuristic judged by the
     simulator, never slower than this remat-only optimum).
@@ -1374,7 +1374,7 @@ def optimal_schedule(chain: Chain, budget: int | str, slots: int = 500) -> Sched
     """The optimal schedule for one budget (bytes or text like ``"300MiB"``), narrowing the rounding gap of a
     whole-range table: solved for budgets up to just above this one at the finest resolution that costs about a
     second (exact where every size shares a divisor that makes it affordable), and
-    checked against every baseline that fits (DESIGN §10). ``meta["source"]``: ``"dp"`` (the table at ``slots``),
+    checked against every baseline that fits (design.md §10). ``meta["source"]``: ``"dp"`` (the table at ``slots``),
     ``"dp-refined"`` (a finer one) or ``"baseline:<family>(<setting>)"``. Raises InfeasibleBudget when none fits."""
     chain = _check_chain(chain)
     slots = _check_slots(slots)
