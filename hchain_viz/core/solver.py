@@ -641,7 +641,7 @@ def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, Cch, D
                 single_level: bool = False) -> None:
     """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices, on
     ``threads`` threads. Sizes in slots (see ``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes the gradients
-    δ; ``xs[i, j]`` the part of x_j not in x_i, what a value x_j costs while x_i is resident (design.md §8); ``xbar`` the
+    δ; ``xs[i, j]`` the part of x_j not in x_i, what x_j costs while x_i is resident (design.md §8); ``xbar`` the
     part of x̄_{i+1} not in x_i; ``tr[i]`` the transit part of x_i (rounded down), which Fall(i) frees; ``co[i]`` its
     consumed part (rounded down), which B(i) frees. ``call``: seconds of a backward call (``chain.backward_call``),
     charged to each leaf option, whose checkpoint x_j starts a graph of its own; the chain option joins Fall(i+1)
