@@ -521,3 +521,55 @@ def test_a_glossary_explains_x_xbar_and_delta(ex):
     text = " ".join(getattr(w, "value", "") for w in ex.widget.children if hasattr(w, "value"))
     for term in ("x<sub>i</sub>", "x̄<sub>i+1</sub>", "δ<sub>i</sub>", "forwards run again"):
         assert term in text
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline view
+def with_fixed(chain):
+    """``chain`` as if profiled with an optimizer: parameters, gradients and AdamW-like state per stage."""
+    import dataclasses
+
+    from hchain_viz.core.fixed import FixedMemory
+
+    g = [50_000 * (1 + i % 3) for i in range(chain.length)]
+    return dataclasses.replace(chain, fixed=FixedMemory(params=sum(g), stage_grads=g, optimizer_state=2 * sum(g),
+                                                        step_tmp=sum(g) // 2))
+
+
+def test_pipeline_view_shows_bars_and_timeline_driven_by_its_slider(chain):
+    from hchain_viz.viz import pipeline as V
+    from hchain_viz.viz.explorer import _tree
+
+    ex = Explorer(with_fixed(chain), pipeline=(2, 4))
+    view = ex.pipeline
+    assert isinstance(view, V.PipelineView) and (view.pipe.devices, view.microbatches) == (2, 4)
+    shown = _tree(ex.widget)
+    assert view.slider in shown and view.bars in shown and view.timeline in shown
+    assert [t.name for t in view.bars.data] == list(V.PART_LABELS.values())
+    assert view.timeline.data[2].name == "recomputation inside the backward"
+
+    def drawn(plan):  # the bars' totals per device and the recomputation per backward, as the figures hold them
+        assert np.allclose(sum(np.asarray(t.y) for t in view.bars.data) * view._unit[1], plan.peaks)
+        assert list(view.timeline.data[2].x) == [e.recompute for evs in plan.simulate().events for e in evs
+                                                  if e.kind == "B"]
+        assert hcv.format_time(plan.step_time) in view.text.value
+
+    last = len(view.limits) - 1
+    view.slider.value = 0  # the least memory that fits: the stages recompute
+    low = view.plan(0)
+    drawn(low)
+    assert low.peak <= view.limits[0] and sum(view.timeline.data[2].x) > 0
+    view.slider.value = last  # where nothing gets faster
+    high = view.plan(last)
+    drawn(high)
+    assert high.step_time < low.step_time and high.peaks != low.peaks
+    ex.close()
+    plain = Explorer(chain)
+    assert plain.pipeline is None and not any(isinstance(w, type(view.slider)) for w in _tree(plain.widget))
+    plain.close()
+
+
+def test_pipeline_view_needs_the_fixed_part(chain, solution):
+    with pytest.raises(HChainError, match="optimizer="):
+        Explorer(chain, solution=solution, pipeline=(2, 4))
+    with pytest.raises(HChainError, match=r"\(devices, microbatches\)"):
+        Explorer(with_fixed(chain), pipeline=(2, 0))

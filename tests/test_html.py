@@ -10,6 +10,7 @@ import pytest
 
 import hchain_viz as hcv
 from hchain_viz.errors import HChainError
+from hchain_viz.viz import style
 from hchain_viz.viz.html import to_html
 from hchain_viz.viz.trace_view import TraceView
 
@@ -106,3 +107,48 @@ def test_opens_at_a_mid_budget_and_offers_over_a_hundred_budgets(solution, tmp_p
 
 
 # The browser test of the page (slider, play, no network) lives in tests/ui/test_standalone_html.py.
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline view
+def with_fixed(chain):
+    """``chain`` as if profiled with an optimizer: parameters, gradients and AdamW-like state per stage."""
+    import dataclasses
+
+    from hchain_viz.core.fixed import FixedMemory
+
+    g = [50_000 * (1 + i % 3) for i in range(chain.length)]
+    return dataclasses.replace(chain, fixed=FixedMemory(params=sum(g), stage_grads=g, optimizer_state=2 * sum(g),
+                                                        step_tmp=sum(g) // 2))
+
+
+def test_pipeline_view_carries_memory_bars_and_timeline_per_limit(chain, tmp_path):
+    from hchain_viz.core.pipeline import Pipeline
+    from hchain_viz.viz import pipeline as V
+
+    c = with_fixed(chain)
+    text = open(to_html(c, tmp_path / "p.html", n_budgets=3, pipeline=(2, 4)), encoding="utf-8").read()
+    assert len(payload(text)["frames"]) == 3  # the one-device part as before
+    m = re.search(r'<script type="application/json" id="pipe-data">(.*?)</script>', text, re.S)
+    assert m, "the pipeline's data block is missing"
+    data = json.loads(m.group(1))
+    pipe = Pipeline(c, 2, "1F1B")
+    limits = V.limits(pipe, 4, 40)
+    assert [f["label"] for f in data["frames"]] == [hcv.format_bytes(b) for b in limits]
+    assert f'id="pipe-limit" type="range" min="0" max="{len(limits) - 1}"' in text  # its own slider
+    for k in (0, len(limits) - 1):
+        plan, f = pipe.plan(4, limits[k]), data["frames"][k]
+        unit = style.byte_unit(limits[-1] * 1.08)[1]
+        assert [t["name"] for t in f["bars"]["data"]] == list(V.PART_LABELS.values())
+        assert np.allclose(sum(np.asarray(t["y"]) for t in f["bars"]["data"]) * unit, plan.peaks)
+        rec = next(t for t in f["timeline"]["data"] if t["name"] == "recomputation inside the backward")
+        assert np.allclose(rec["x"], [e.recompute for evs in plan.simulate().events for e in evs if e.kind == "B"])
+    assert 'Plotly.react("pipe-bars"' in text and 'Plotly.react("pipe-timeline"' in text
+    assert not re.search(r"<script[^>]*\bsrc\s*=", text, re.I) and "<script>alert(1)" not in text
+    assert "pipe-data" not in open(to_html(c, tmp_path / "q.html", n_budgets=2), encoding="utf-8").read()
+
+
+def test_pipeline_view_needs_the_fixed_part(chain, tmp_path):
+    with pytest.raises(HChainError, match="optimizer="):
+        to_html(chain, tmp_path / "bad.html", n_budgets=2, pipeline=(2, 4))
+    with pytest.raises(HChainError, match=r"\(devices, microbatches\)"):
+        to_html(with_fixed(chain), tmp_path / "bad.html", n_budgets=2, pipeline=2)

@@ -22,6 +22,9 @@ shows throughput against the batch size on the chosen device, marking the larges
 A chain profiled in 16-bit compute also offers the precisions its fixed part can be counted in
 (``chain.fixed.precisions()``). Programmatically: ``explorer.device_memory = "24GiB"``, ``explorer.margin = 0.1``,
 ``explorer.axis = "device"``, ``explorer.batch = 64``, ``explorer.precision = "bf16-master"``.
+
+Several devices (docs/design.md §12): ``Explorer(chain, pipeline=(P, M))`` adds the pipeline view of
+:mod:`hchain_viz.viz.pipeline` below: each device's memory bar and the timeline, driven by its device-memory slider.
 """
 
 from __future__ import annotations
@@ -132,14 +135,19 @@ class Explorer:
             memory curve share a row, stacked below 720 px).
         device_memory, margin, axis: the device panel's device (bytes or ``"24GiB"``), allocator margin (a
             fraction) and memory axis (``"activations"`` or ``"device"``); only for chains with a fixed part.
+        pipeline: ``(devices, microbatches)`` adds the pipeline view below (:attr:`pipeline`, a
+            :class:`~hchain_viz.viz.pipeline.PipelineView` of the chain as given: each device's memory bar and the
+            1F1B timeline, driven by its device-memory slider; docs/design.md §12); None: no pipeline view.
 
     Raises:
-        HChainError: ``chain`` is not a Chain, or ``solution`` was solved for another chain.
+        HChainError: ``chain`` is not a Chain, ``solution`` was solved for another chain, or a pipeline view is
+            asked of a chain without its fixed part (profile with ``optimizer=``).
     """
 
     def __init__(self, chain: Chain, model: Any = None, *, solution: Any = None, budget: int | str | None = None,
                  strategy: str = OPTIMAL, baselines: Any = None, throttle_ms: float = 60.0, width: int | None = None,
-                 device_memory: int | str | None = None, margin: float = D.DEFAULT_MARGIN, axis: str = "activations"):
+                 device_memory: int | str | None = None, margin: float = D.DEFAULT_MARGIN, axis: str = "activations",
+                 pipeline: tuple[int, int] | None = None):
         if not isinstance(chain, Chain):
             raise HChainError(f"Explorer needs a Chain (from hcv.profile or hcv.Chain), got {type(chain).__name__}; "
                               "for a model use hcv.explore(model, sample_input)")
@@ -147,11 +155,11 @@ class Explorer:
             raise HChainError("the solution was solved for another chain; pass solution=hcv.solve(chain) for this one")
         with status("building the explorer"):  # in a notebook, a line that counts the seconds until it shows
             self._init(chain, model, solution, budget, strategy, baselines, throttle_ms, width, device_memory,
-                       margin, axis)
+                       margin, axis, pipeline)
 
     def _init(self, chain: Chain, model: Any, solution: Any, budget: int | str | None, strategy: str, baselines: Any,
               throttle_ms: float, width: int | None, device_memory: int | str | None, margin: float,
-              axis: str) -> None:
+              axis: str, pipeline: tuple[int, int] | None) -> None:
         self.model = model
         self._strategies = [OPTIMAL, *applicable(chain)]  # the transformer baselines need groups / tags
         self._baselines = baselines
@@ -168,6 +176,11 @@ class Explorer:
         if (device_memory is not None or axis == "device") and chain.fixed is None:
             raise HChainError("the device panel needs the chain's fixed part: profile with the optimizer, "
                               "hcv.profile(model, x, loss_fn, optimizer=opt)")
+        self.pipeline = None  # the pipeline view (PipelineView), when asked for
+        if pipeline is not None:
+            from .pipeline import PipelineView, check_pipeline
+
+            self.pipeline = PipelineView(chain, *check_pipeline(chain, pipeline))
         self._set_chain(chain, solution)
 
         self._budget = self._check_budget(budget if budget is not None else (self.min_budget + self.max_budget) // 2)
@@ -541,6 +554,7 @@ class Explorer:
             W.HBox([self._play, self._step_slider], layout=W.Layout(**row)),
             self._board,  # its caption, right under the player, is the status line of the player's step
             W.HBox([self._path, self._save, self._save_label], layout=W.Layout(**row)),
+            *([] if self.pipeline is None else [W.HTML("<b>pipeline</b>"), self.pipeline.widget]),
         ], layout=W.Layout(width="100%", min_width="0", max_width=None if width is None else f"{width}px"))
         self._layout.add_class("hcv-explorer")
 

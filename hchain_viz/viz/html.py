@@ -8,6 +8,8 @@ play button sweeps the budgets, and a click on the frontier jumps to the nearest
 network: no CDN, no MathJax, no fonts — the file works from a USB stick.
 
 The figures are the very builders of :mod:`hchain_viz.viz.figures`, so the page shows what the notebook explorer shows.
+``pipeline=(P, M)`` adds the pipeline view of :mod:`hchain_viz.viz.pipeline` (its own device-memory slider, the
+memory bars and the timeline, one frame per limit) below them.
 """
 
 from __future__ import annotations
@@ -32,14 +34,26 @@ _CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": [
 
 
 def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int = 120, strategies: Any = None,
-            title: str | None = None) -> str:
+            title: str | None = None, pipeline: tuple[int, int] | None = None) -> str:
     """Write the offline explorer page for ``chain_or_solution`` (a Chain, or a Solution from ``hcv.solve``) to
     ``path`` and return the path.
 
     ``n_budgets``: how many budgets the slider offers, evenly spaced from the least feasible budget to store-all's
     peak (one precomputed frame each). ``strategies``: the baselines drawn on the frontier (see
     :func:`figures.frontier`: None for all, False for none, a list of names, or a mapping name → points).
+    ``pipeline``: ``(devices, microbatches)`` adds the pipeline view (docs/design.md §12); the chain needs its fixed
+    part (profiled with ``optimizer=``), else HChainError.
     """
+    pipe_section = ""
+    chain = getattr(chain_or_solution, "chain", chain_or_solution)
+    if pipeline is not None and isinstance(chain, Chain):  # before the solve: a chain without a fixed part fails fast
+        from .pipeline import check_pipeline, html_frames, html_section
+
+        P, M = check_pipeline(chain, pipeline)
+        pipe, limits, pipe_frames = html_frames(chain, P, M)
+        pipe_section = (f"<h3>{html.escape(pipe.kind)} pipeline on {P} devices, {M} microbatches, "
+                        f"{html.escape(format_bytes(limits[0]))} to {html.escape(format_bytes(limits[-1]))} per "
+                        f"device</h3>\n" + html_section(pipe_frames, prefix="pipe-"))
     solution = _solution_of(chain_or_solution)
     if isinstance(n_budgets, bool) or not isinstance(n_budgets, (int, np.integer)) or n_budgets < 1:
         raise HChainError(f"n_budgets must be a positive integer (frames on the budget slider), got {n_budgets!r}")
@@ -94,6 +108,7 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
         n_last=len(frames) - 1,
         start=start,
         script=_SCRIPT,
+        pipeline=pipe_section,
     )
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)
@@ -157,7 +172,7 @@ _PAGE = """<!DOCTYPE html>
 and saved tensors) · δ: the gradient flowing back into a stage · red bars: forwards run again</div>
 <script type="application/json" id="hcv-data">{data}</script>
 <script type="text/javascript">{script}</script>
-</body>
+{pipeline}</body>
 </html>
 """
 

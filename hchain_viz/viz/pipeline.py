@@ -6,6 +6,8 @@
   each backward marked in the recomputation colour.
 - :class:`PipelineView`: both, driven by a device-memory slider (ipywidgets); :func:`to_html` writes the same as a
   self-contained page, as :mod:`hchain_viz.viz.html` does for one device.
+- The explorer carries the view (``Explorer(chain, pipeline=(P, M))``), and its page the same section
+  (``hchain_viz.viz.html.to_html(..., pipeline=(P, M))``: :func:`html_frames`, :func:`html_section`).
 
 Figures read plans (:class:`~hchain_viz.core.pipeline.PipelinePlan`) only; they never recompute memory or time.
 """
@@ -162,7 +164,9 @@ class PipelineView:
                                         style={"description_width": "initial"})
         self.text = W.HTML(self._stats(plan))
         self.slider.observe(lambda change: self._show(change["new"]), names="value")
-        self.widget = W.VBox([self.slider, self.text, W.HBox([self.bars, self.timeline])])
+        # the two figures wrap onto two rows when the output area is narrow
+        self.widget = W.VBox([self.slider, self.text,
+                              W.HBox([self.bars, self.timeline], layout=W.Layout(flex_flow="row wrap"))])
 
     def plan(self, k: int) -> PipelinePlan:
         """The best plan at slider position ``k``."""
@@ -206,12 +210,26 @@ def pipeline_view(chain: Any, devices: int, microbatches: int, schedule: str = "
 
 
 # ====================================================================== HTML export
-def to_html(chain: Any, devices: int, microbatches: int, path: str | os.PathLike, schedule: str = "1F1B", *,
-            bandwidth: Any = None, n: int = 40, title: str | None = None) -> str:
-    """Write a self-contained page (plotly.js embedded, nothing fetched) with the memory bars and the timeline of
-    the best plan at ``n`` per-device memory limits and a slider between them; return the path."""
-    from .html import _CONFIG, _plotly_js, _script_json
+def check_pipeline(chain: Any, pipeline: Any) -> tuple[int, int]:
+    """``pipeline=(devices, microbatches)`` as given to the explorer or ``to_html``, checked.
 
+    Raises:
+        HChainError: not two positive integers, or a chain without its fixed part (no optimizer profiled).
+    """
+    if (not isinstance(pipeline, (tuple, list)) or len(pipeline) != 2
+            or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in pipeline)):
+        raise HChainError(f"pipeline must be (devices, microbatches), two positive integers such as (4, 16); "
+                          f"got {pipeline!r}")
+    if getattr(chain, "fixed", None) is None:
+        raise HChainError("the pipeline view needs the chain's fixed part (each device's parameters, gradients and "
+                          "optimizer state): profile with the optimizer, hcv.profile(model, x, loss_fn, optimizer=opt)")
+    return int(pipeline[0]), int(pipeline[1])
+
+
+def html_frames(chain: Any, devices: int, microbatches: int, schedule: str = "1F1B", *, bandwidth: Any = None,
+                n: int = 40) -> tuple[Pipeline, list[int], list[dict]]:
+    """The pipeline, its ``n`` per-device limits and one page frame per limit (the memory bars and the timeline of
+    the best plan there), for :func:`html_section`."""
     pipe = Pipeline(chain, devices, schedule, bandwidth=bandwidth)
     budgets = limits(pipe, microbatches, n)
     unit = style.byte_unit(budgets[-1] * 1.08)
@@ -223,15 +241,54 @@ def to_html(chain: Any, devices: int, microbatches: int, path: str | os.PathLike
             + ", ".join(plan.chain.names[x] for x in plan.bounds)),
             bars=dict(data=memory_bars_traces(plan, unit), layout=memory_bars_layout(plan, None, unit)),
             timeline=dict(data=timeline_traces(plan), layout=timeline_layout(plan))))
+    return pipe, budgets, frames
+
+
+def html_section(frames: list[dict], prefix: str = "") -> str:
+    """The page's pipeline part: a device-memory slider over ``frames`` driving both figures. Element ids start
+    with ``prefix``, so the section can sit in another page (:func:`hchain_viz.viz.html.to_html`)."""
+    from .html import _CONFIG, _script_json
+
     start = (len(frames) - 1) // 2
+    return _SECTION.format(p=prefix, n_last=len(frames) - 1, start=start,
+                           data=_script_json(dict(frames=frames, start=start, config=_CONFIG)))
+
+
+def to_html(chain: Any, devices: int, microbatches: int, path: str | os.PathLike, schedule: str = "1F1B", *,
+            bandwidth: Any = None, n: int = 40, title: str | None = None) -> str:
+    """Write a self-contained page (plotly.js embedded, nothing fetched) with the memory bars and the timeline of
+    the best plan at ``n`` per-device memory limits and a slider between them; return the path."""
+    from .html import _plotly_js
+
+    pipe, budgets, frames = html_frames(chain, devices, microbatches, schedule, bandwidth=bandwidth, n=n)
     title = title or (f"hchain_viz: {pipe.kind} pipeline on {devices} devices, {microbatches} microbatches, "
                       f"{format_bytes(budgets[0])} to {format_bytes(budgets[-1])} per device")
-    page = _PAGE.format(title=html.escape(title), plotlyjs=_plotly_js(), n_last=len(frames) - 1, start=start,
-                        data=_script_json(dict(frames=frames, start=start, config=_CONFIG)))
+    page = _PAGE.format(title=html.escape(title), plotlyjs=_plotly_js(), section=html_section(frames))
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)
     return str(path)
 
+
+_SECTION = """<div>device memory <input id="{p}limit" type="range" min="0" max="{n_last}" value="{start}">
+<span id="{p}label"></span></div>
+<div id="{p}stats"></div>
+<div class="row"><div id="{p}bars"></div><div id="{p}timeline"></div></div>
+<script type="application/json" id="{p}data">{data}</script>
+<script>
+(function () {{
+  const D = JSON.parse(document.getElementById("{p}data").textContent);
+  function show(k) {{
+    const f = D.frames[k];
+    document.getElementById("{p}label").textContent = f.label;
+    document.getElementById("{p}stats").innerHTML = f.stats;
+    Plotly.react("{p}bars", f.bars.data, f.bars.layout, D.config);
+    Plotly.react("{p}timeline", f.timeline.data, f.timeline.layout, D.config);
+  }}
+  document.getElementById("{p}limit").addEventListener("input", e => show(+e.target.value));
+  show(D.start);
+}})();
+</script>
+"""
 
 _PAGE = """<!DOCTYPE html>
 <html lang="en">
@@ -248,22 +305,6 @@ _PAGE = """<!DOCTYPE html>
 </head>
 <body>
 <h3>{title}</h3>
-<div>device memory <input id="limit" type="range" min="0" max="{n_last}" value="{start}"> <span id="label"></span></div>
-<div id="stats"></div>
-<div class="row"><div id="bars"></div><div id="timeline"></div></div>
-<script type="application/json" id="data">{data}</script>
-<script>
-  const D = JSON.parse(document.getElementById("data").textContent);
-  function show(k) {{
-    const f = D.frames[k];
-    document.getElementById("label").textContent = f.label;
-    document.getElementById("stats").innerHTML = f.stats;
-    Plotly.react("bars", f.bars.data, f.bars.layout, D.config);
-    Plotly.react("timeline", f.timeline.data, f.timeline.layout, D.config);
-  }}
-  document.getElementById("limit").addEventListener("input", e => show(+e.target.value));
-  show(D.start);
-</script>
-</body>
+{section}</body>
 </html>
 """
