@@ -234,13 +234,14 @@ def test_play_moves_the_cursor(app, app_solution, assets_dir):
     # Sample the cursor up to five times, spread over the replay: each sample waits until the browser has advanced
     # the step and the kernel has redrawn both cursors past the last sample. A kernel lagging behind may jump
     # straight to the end; then the replay is over ("The whole step" in the step label) and sampling stops.
+    # The first sample waits for the cursor past 0: at 0 the figures may still show the step before Play's first redraw.
     ended = "s.step_label.startsWith('The whole step')"
     positions = []
     for k in range(1, 6):
         app.page.wait_for_function(
             _when("[prev, min_step]", "s.cursor[1] && s.memory_cursor[0] === s.cursor[0] && "
                                       f"((s.cursor[0] > prev && s.step >= min_step) || {ended})"),
-            arg=[positions[-1] if positions else -1.0, k * n_ops // 7], timeout=WAIT_MS)
+            arg=[positions[-1] if positions else 0.0, k * n_ops // 7], timeout=WAIT_MS)
         st = app.state()
         assert st["cursor"][1] and re.match(rf"(Op \d+ of {n_ops}, |The whole step)", st["step_label"]), st
         if positions and st["cursor"][0] <= positions[-1]:
