@@ -38,6 +38,8 @@ class PipelineRun:
     module: nn.Module
     stage: Any
     runner: Any
+    group: Any = None
+    tied: tuple[tuple[nn.Parameter, bool], ...] = ()  # (parameter, whether this rank uses it), see _tied_parameters
 
     @property
     def is_first(self) -> bool:
@@ -50,7 +52,8 @@ class PipelineRun:
     def step(self, inputs: Any = None, target: Any = None) -> list[torch.Tensor] | None:
         """One training step over ``plan.microbatches`` microbatches: the first rank gives the whole batch's
         ``inputs``, the last its ``target``; the others give nothing. Returns the last rank's per-microbatch losses
-        (None elsewhere). Gradients are accumulated into the parameters, scaled by 1 / M (the mean over the batch)."""
+        (None elsewhere). Gradients are accumulated into the parameters, scaled by 1 / M (the mean over the batch); a
+        parameter that stages on several ranks share (GPT-2's tied embedding and LM head) gets the sum over them."""
         if self.is_first and inputs is None:
             raise InvalidPipeline("the first rank's step needs the batch: run.step(inputs)")
         if self.is_last and target is None:
@@ -59,6 +62,11 @@ class PipelineRun:
         args = (inputs,) if self.is_first else ()
         kwargs = {"target": target, "losses": losses} if self.is_last else {}
         self.runner.step(*args, return_outputs=False, **kwargs)  # the last stage would keep every output
+        for param, used in self.tied:  # every rank joins each sum, in the same order
+            grad = param.grad if used and param.grad is not None else torch.zeros_like(param)
+            dist.all_reduce(grad, group=self.group)
+            if used:
+                param.grad = grad
         return losses if self.is_last else None
 
 
@@ -105,7 +113,20 @@ def pipeline(model: nn.Module, plan: PipelinePlan, loss_fn: Any, *, group: Any =
     _keep_grads_through_inference(stage, module)
     runner_cls = Schedule1F1B if plan.kind == "1F1B" else ScheduleGPipe
     runner = runner_cls(stage, n_microbatches=plan.microbatches, loss_fn=loss_fn)
-    return PipelineRun(plan, rank, module, stage, runner)
+    return PipelineRun(plan, rank, module, stage, runner, group, _tied_parameters(stages, plan, rank))
+
+
+def _tied_parameters(stages: list[tuple[str, nn.Module]], plan: PipelinePlan,
+                     rank: int) -> tuple[tuple[nn.Parameter, bool], ...]:
+    """The parameters that stages on more than one rank use (a tied embedding and LM head), in the stages' order,
+    each with whether ``rank`` uses it: each rank's backward gives only its own part of their gradient, which
+    single-process training sums; every rank builds the whole model, so all find the same list."""
+    ranks: dict[int, tuple[nn.Parameter, set[int]]] = {}
+    for r, st in enumerate(plan.stages):
+        for _, module in stages[st.first:st.end]:
+            for param in module.parameters():
+                ranks.setdefault(id(param), (param, set()))[1].add(r)
+    return tuple((param, rank in used) for param, used in ranks.values() if len(used) > 1)
 
 
 class _TensorOutput(nn.Module):
