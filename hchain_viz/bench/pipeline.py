@@ -1,9 +1,9 @@
 """Benchmark of pipeline plans (docs/design.md §12): the plan against its two baselines, over memory limits.
 
-``python -m hchain_viz bench pipeline [--layers 8] [--microbatches 8] [--rounds 3] [--no-measure]`` profiles a
-GPT-style decoder (``transformer_chain``: embed, ``--layers`` blocks, head; AdamW) at the microbatch size, then for
-P = 2 and 4 and per-device memory limits from the least that fits to where nothing gets faster prints the predicted
-step time of
+``python -m hchain_viz bench pipeline [--layers 8] [--microbatches 8] [--rounds 3] [--measure-p 2 4]
+[--no-measure]`` profiles a GPT-style decoder (``transformer_chain``: embed, ``--layers`` blocks, head; AdamW) at the
+microbatch size, then for P = 2 and 4 and per-device memory limits from the least that fits to where nothing gets
+faster prints the predicted step time of
 
 - the plan (``plan_pipeline``: partition and per-stage schedules chosen together),
 - baseline (i) ``balanced+uniform``: the time-balanced partition with store-all on every stage where that fits on
@@ -11,10 +11,10 @@ step time of
 - baseline (ii) ``balanced+per-stage``: the same partition, each stage with its fastest schedule that fits,
 
 and splits the gain: (i)/(ii) is what per-stage schedules win, (ii)/plan what the partition wins. Then, unless
-``--no-measure``, it runs each fitting plan on P = 2 gloo ranks on the CPU for ``--rounds`` interleaved rounds (plan,
-(i), (ii), plan, ...; one warm-up step each) and prints the measured step time (median over rounds; the noise is half
-the range over the median) beside the prediction. Peaks per rank are predicted only (the CPU ranks' memory is not
-measured here).
+``--no-measure``, it runs each fitting plan on P gloo ranks on the CPU (P = 2 unless ``--measure-p`` says 4 or both)
+for ``--rounds`` interleaved rounds (plan, (i), (ii), plan, ...; one warm-up step each) and prints the measured step
+time (median over rounds; the noise is half the range over the median) beside the prediction. Peaks per rank are
+predicted only (the CPU ranks' memory is not measured here).
 """
 
 from __future__ import annotations
@@ -117,12 +117,14 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, chain_json: str
         dist.destroy_process_group()
 
 
-def _measure(chain_json: str, layers: int, micro: int, M: int, limit: int, rounds: int) -> dict[str, list[float]]:
+def _measure(chain_json: str, layers: int, micro: int, M: int, limit: int, rounds: int,
+             world: int) -> dict[str, list[float]]:
     import torch
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(2, os.path.join(d, "init"), d, chain_json, layers, micro, M, limit, rounds), nprocs=2)
+        mp.spawn(_worker, args=(world, os.path.join(d, "init"), d, chain_json, layers, micro, M, limit, rounds),
+                 nprocs=world)
         return torch.load(os.path.join(d, "times.pt"))
 
 
@@ -165,6 +167,8 @@ def run(args: list[str]) -> None:
     p.add_argument("--micro", type=positive_int, default=2, help="samples per microbatch (default 2)")
     p.add_argument("--microbatches", type=positive_int, default=8, help="M, microbatches per step (default 8)")
     p.add_argument("--rounds", type=positive_int, default=3, help="measured rounds per plan (default 3)")
+    p.add_argument("--measure-p", type=int, nargs="+", choices=(2, 4), default=[2],
+                   help="the stage counts P to measure on P gloo CPU ranks (default 2)")
     p.add_argument("--no-measure", action="store_true", help="predictions only (no gloo runs)")
     a = p.parse_args(args)
     print(f"bench pipeline: GPT-2-small-like analytic chain ({gpt2_chain().meta['model']}), 1F1B, fp32 weights "
@@ -177,7 +181,7 @@ def run(args: list[str]) -> None:
           f"1F1B, AdamW; fixed {format_bytes(chain.fixed.total_per_rank)} in all; stage times profiled on this CPU")
     for P in (2, 4):
         measure = None
-        if P == 2 and not a.no_measure:
-            def measure(limit: int) -> dict[str, list[float]]:
-                return _measure(chain.to_json(), a.layers, a.micro, M, limit, a.rounds)
+        if P in a.measure_p and not a.no_measure:
+            def measure(limit: int, P: int = P) -> dict[str, list[float]]:
+                return _measure(chain.to_json(), a.layers, a.micro, M, limit, a.rounds, P)
         _table(chain, P, M, measure)
