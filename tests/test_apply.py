@@ -1,6 +1,6 @@
-"""hcv.apply: a schedule installed on the model itself (runtime/apply.py), by the executor and in the native form
-(runtime/native.py). The model stays the same object with the same signature and keys, trains bitwise like eager,
-and every bad input is an HChainError that says what to do."""
+"""hcv.apply: a schedule installed on the model itself (runtime/train/inplace.py), by the executor and in the
+native form (runtime/train/native.py). The model stays the same object with the same signature and keys, trains
+bitwise like eager, and every bad input is an HChainError that says what to do."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from torch import nn
 import hchain_viz as hcv
 from hchain_viz.core import strategies
 from hchain_viz.core.chain import Chain
+from hchain_viz.core.regions import Region, segment_tree, tree_ops
 from hchain_viz.core.solver import solve
-from hchain_viz.runtime.apply import AlreadyApplied, DoubleCheckpointing, InputMismatch, ScheduleMismatch
-from hchain_viz.runtime.native import NotNative, Region, segment_tree, tree_ops
+from hchain_viz.errors import AlreadyApplied, DoubleCheckpointing, InputMismatch, NotNative, ScheduleMismatch
 
 pytestmark = pytest.mark.torch
 
@@ -367,7 +367,7 @@ def test_verify_measures_the_step_and_scales_the_budget_until_the_fastest_fits(c
     measured over a budget set below it, and from the least schedule with room above it."""
     import functools
 
-    from hchain_viz.runtime.apply import _verified
+    from hchain_viz.runtime.train.auto import _verified
 
     model, x, y = _model(width=256, batch=512)
     loss_fn = nn.CrossEntropyLoss()
@@ -413,10 +413,11 @@ def test_checkpoint_verify_compiled_whole_fits_its_budget_measured(capsys):
 
 
 def test_compiled_form_is_single_level_and_for_compile_fits_its_budget():
-    """What torch.compile runs for a native schedule (runtime/native.py, NOTE [compiled memory]): nested regions
+    """What torch.compile runs for a native schedule (core/regions.py, NOTE [compiled memory]): nested regions
     collapse into their top-level regions; the gradients held to the end of the backward count in its peak."""
+    from hchain_viz.core.regions import compiled_peak, compiled_schedule, compiled_tree, for_compile
     from hchain_viz.core.simulate import simulate
-    from hchain_viz.runtime.native import compiled_peak, compiled_schedule, compiled_tree, for_compile, grad_bytes
+    from hchain_viz.runtime.train.native import grad_bytes
 
     nested = hcv.Schedule.parse("Fck0 Fn1 Fn2 Fall3 Loss B3 Fck0 Fn1 Fall2 B2 Fall0 Fall1 B1 B0")
     flat = compiled_schedule(nested)

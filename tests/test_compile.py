@@ -160,7 +160,7 @@ def test_compiled_stages_under_a_schedule_equal_the_compiled_stages_without_one(
     # the same compiled stages run without a schedule (aot_eager: AOTAutograd's graphs, without inductor's cost).
     from hchain_viz.core import strategies
     from hchain_viz.core.chain import Chain
-    from hchain_viz.runtime.wrap import wrap
+    from hchain_viz.runtime.train.wrap import wrap
 
     x = torch.randn(8, 16)
     model = bn_dropout_net()
@@ -186,7 +186,7 @@ def test_compiled_stages_under_a_schedule_equal_the_compiled_stages_without_one(
 def test_identical_layers_share_compiled_graphs():
     from hchain_viz.core import strategies
     from hchain_viz.core.chain import Chain
-    from hchain_viz.runtime.wrap import wrap
+    from hchain_viz.runtime.train.wrap import wrap
 
     backend = CountingBackend()
     model = bn_dropout_net()
@@ -201,7 +201,7 @@ def test_torch_compile_of_a_wrapped_module_says_to_use_compile_true():
     from hchain_viz.core import strategies
     from hchain_viz.core.chain import Chain
     from hchain_viz.errors import HChainError
-    from hchain_viz.runtime.wrap import wrap
+    from hchain_viz.runtime.train.wrap import wrap
 
     wrapped = wrap(mlp(), strategies.recompute_all(Chain.homogeneous(3)))
     x = torch.randn(8, 32)
@@ -217,7 +217,7 @@ def test_profile_compiled_stages_predicts_the_compiled_schedule():
     from hchain_viz.core import strategies
     from hchain_viz.core.chain import Chain
     from hchain_viz.core.simulate import simulate
-    from hchain_viz.runtime.wrap import wrap
+    from hchain_viz.runtime.train.wrap import wrap
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)], nn.Linear(64, 8))
@@ -249,7 +249,7 @@ def test_per_stage_activation_memory_budget_shrinks_what_compiled_stages_save():
     graphs then save, and the schedule's peak stays predicted."""
     from hchain_viz.core import strategies
     from hchain_viz.core.simulate import simulate
-    from hchain_viz.runtime.wrap import wrap
+    from hchain_viz.runtime.train.wrap import wrap
 
     torch.manual_seed(0)
     model = nn.Sequential(_Mlp(), _Mlp())  # two stages, each a graph of several ops
@@ -292,7 +292,7 @@ def test_native_form_compiled_whole_gives_eager_losses_gradients_buffers_and_rng
     import copy
 
     import hchain_viz as hcv
-    from hchain_viz.runtime.native import Region, segment_tree
+    from hchain_viz.core.regions import Region, segment_tree
 
     model, x, y, schedule = _native_case()
     tree = segment_tree(schedule)
@@ -318,7 +318,7 @@ def test_native_form_compiled_whole_gives_eager_losses_gradients_buffers_and_rng
 def test_native_form_records_checkpoint_regions_in_the_compiled_graph():
     """What Dynamo captures holds the schedule: one checkpoint higher-order op per top-level region."""
     import hchain_viz as hcv
-    from hchain_viz.runtime.native import Region, segment_tree
+    from hchain_viz.core.regions import Region, segment_tree
 
     model, x, y, schedule = _native_case()
     hcv.apply(model, schedule, native=True)
@@ -338,7 +338,7 @@ def test_native_form_in_eager_mode_is_bitwise_like_eager_and_refuses_offloading(
     import copy
 
     import hchain_viz as hcv
-    from hchain_viz.runtime.native import NotNative
+    from hchain_viz.errors import NotNative
 
     model, x, y, schedule = _native_case()
     twin = copy.deepcopy(model)
@@ -356,14 +356,15 @@ def test_native_form_in_eager_mode_is_bitwise_like_eager_and_refuses_offloading(
 def test_native_form_compiled_whole_measures_its_compiled_prediction():
     """torch.compile's partitioner (min-cut, as inductor; aot_eager_decomp_partition runs its graphs without
     inductor's code generation) recomputes each node once and holds the parameter gradients to the end of the
-    backward: a nested schedule measures above its eager prediction, at its compiled one (runtime/native.py), and
+    backward: a nested schedule measures above its eager prediction, at its compiled one (core/regions.py), and
     warns; the schedule for_compile picks fits its budget compiled, without a warning."""
     import copy
     import warnings
 
     import hchain_viz as hcv
+    from hchain_viz.core.regions import compiled_peak, compiled_schedule, for_compile
     from hchain_viz.core.simulate import simulate
-    from hchain_viz.runtime.native import compiled_peak, compiled_schedule, for_compile, grad_bytes
+    from hchain_viz.runtime.train.native import grad_bytes
 
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), nn.Tanh())])
@@ -444,7 +445,7 @@ def test_compiled_selective_stage_keeps_a_batch_norms_statistics_not_its_output(
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
 
-    from hchain_viz.runtime.native import selective_call
+    from hchain_viz.runtime.train.native import selective_call
 
     saved = []
 
@@ -471,7 +472,7 @@ def test_compiled_selective_stage_keeps_a_batch_norms_statistics_not_its_output(
 
 def test_selective_profile_saves_less_and_the_profiles_go_where_they_belong():
     import hchain_viz as hcv
-    from hchain_viz.runtime.apply import ScheduleMismatch
+    from hchain_viz.errors import ScheduleMismatch
 
     torch.manual_seed(0)
     # aot_eager: ATen's ops whole, its default partition saving what the backward reads (a layer norm, unlike a
@@ -518,14 +519,15 @@ def test_checkpoint_selective_profiles_compiled_selective_stages_and_applies_the
 
 
 def test_selective_form_with_a_region_measures_its_mixed_prediction_compiled():
-    """The stages of a region run plain, the others selective (runtime/native.py: a selective stage inside a region
+    """The stages of a region run plain, the others selective (train/native.py: a selective stage inside a region
     would keep its saved outputs through it), and selective_chain predicts that mix: measured compiled whole
     (aot_eager_decomp_partition: inductor's partition, ATen's kernels) within [0.9, 1.0] of compiled_peak, and below
     the selective form without regions (which measures under its prediction)."""
     import copy
 
     import hchain_viz as hcv
-    from hchain_viz.runtime.native import compiled_peak, grad_bytes, segment_tree
+    from hchain_viz.core.regions import compiled_peak, segment_tree
+    from hchain_viz.runtime.train.native import grad_bytes
 
     torch.manual_seed(0)
     model, x = nn.Sequential(*[_Block(256) for _ in range(6)], nn.Linear(256, 4)), torch.randn(512, 256)
@@ -558,9 +560,9 @@ def test_selective_chain_takes_a_regions_stages_from_the_plain_profile():
     import dataclasses
 
     from hchain_viz.core.chain import Chain
+    from hchain_viz.core.regions import compiled_schedule, selective_chain
     from hchain_viz.core.solver import solve
     from hchain_viz.errors import InvalidSchedule
-    from hchain_viz.runtime.native import compiled_schedule, selective_chain
 
     plain = Chain.random(8, seed=3)
     picked = dataclasses.replace(plain, xbar=[b + 1 for b in plain.xbar], bwd_time=[t * 2 for t in plain.bwd_time],

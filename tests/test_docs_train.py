@@ -33,7 +33,7 @@ def test_block_runs(section, tmp_path, monkeypatch, capsys):
         if name in DOC and (section != "one-liner" or name == "transformers"):
             pytest.importorskip(name)
     import hchain_viz as hcv
-    from hchain_viz.runtime.apply import is_applied
+    from hchain_viz.runtime.train.inplace import is_applied
 
     monkeypatch.chdir(tmp_path)  # the Trainer writes its output_dir here
     scope: dict = {}

@@ -441,7 +441,7 @@ def _train_step_matches(model, x, loss_fn, seed=11, granularity=None):
             assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), (step, name)
         model.zero_grad(set_to_none=True)
         twin.zero_grad(set_to_none=True)
-    assert wrapped._frees is not None
+    assert wrapped.executor.learned.frees is not None
     return chain
 
 
@@ -580,14 +580,14 @@ def test_later_steps_free_what_the_learning_step_freed():
     wrapped = hcv.wrap(model, schedule)
     for _ in range(3):
         loss_fn(wrapped(idx)).backward()
-    learned, reads = wrapped._frees, wrapped._frees_made
+    learned, reads = wrapped.executor.learned.frees, wrapped.executor.learned.frees_made
     assert any(f.transit for f in learned.values()) and any(f.consumed for f in learned.values())
     assert reads
     known_peak = measure(wrapped, idx, loss_fn, repeats=1).peak_bytes
-    wrapped._frees = None  # relearn
+    wrapped.executor.learned.frees = None  # relearn
     loss_fn(wrapped(idx)).backward()
     loss_fn(wrapped(idx)).backward()
-    assert wrapped._frees == learned and wrapped._frees_made == reads
+    assert wrapped.executor.learned.frees == learned and wrapped.executor.learned.frees_made == reads
     assert known_peak <= hcv.simulate(chain, schedule).peak_memory
 
 

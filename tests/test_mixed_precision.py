@@ -19,7 +19,7 @@ from torch import nn
 import hchain_viz as hcv
 from hchain_viz.errors import ProfileError
 from hchain_viz.runtime.precision import PrecisionWarning
-from hchain_viz.runtime.wrap import ScheduledModule
+from hchain_viz.runtime.train.wrap import ScheduledModule
 
 pytestmark = pytest.mark.torch
 transformers = pytest.importorskip("transformers")

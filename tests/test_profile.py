@@ -209,7 +209,7 @@ class _Shift(nn.Module):
 def _check_schedules(model, x, chain, schedules, *, lowest):
     """Each schedule, run by the executor: measured peak within [lowest, 1] of its prediction, and gradients equal
     to eager training's, bit for bit."""
-    from hchain_viz.runtime.wrap import wrap
+    from hchain_viz.runtime.train.wrap import wrap
 
     eager = copy.deepcopy(model)
     default_loss(eager(x)).backward()
@@ -228,8 +228,8 @@ def test_transit_bytes_are_found_freed_and_predicted(monkeypatch):
     """docs/design.md §3.4: x_1 = W x_0 is needed by no backward; the profile says so (transit[1] = its bytes), the
     executor frees it after Fall(1) (store-all's measured peak is that much lower than with it held), every
     schedule's measured peak stays within its prediction, and the gradients equal eager training's."""
-    from hchain_viz.runtime import wrap as wrap_module
-    from hchain_viz.runtime.wrap import wrap
+    from hchain_viz.runtime.train import executor as executor_module
+    from hchain_viz.runtime.train.wrap import wrap
 
     torch.manual_seed(0)
     model = nn.Sequential(_Scores(), _Shift(), nn.Linear(64, 1024))  # a wide head: the peak comes after Fall(1)
@@ -241,8 +241,8 @@ def test_transit_bytes_are_found_freed_and_predicted(monkeypatch):
     held = hcv.simulate(chain.__class__.from_dict({**chain.to_dict(), "transit": None}), strategies.store_all(chain))
     assert held.peak_memory - hcv.simulate(chain, strategies.store_all(chain)).peak_memory == y_bytes
     freed = measure(wrap(model, strategies.store_all(chain)), x, repeats=1).peak_bytes
-    monkeypatch.setattr(wrap_module._Step, "_free_transit", lambda *args: set())  # the step that learns frees
-    monkeypatch.setattr(wrap_module._Step, "_free_known", lambda *args: None)  # and the steps that know
+    monkeypatch.setattr(executor_module._Step, "_free_transit", lambda *args: set())  # the step that learns frees
+    monkeypatch.setattr(executor_module._Step, "_free_known", lambda *args: None)  # and the steps that know
     kept = measure(wrap(model, strategies.store_all(chain)), x, repeats=1).peak_bytes
     assert kept - freed == y_bytes
 
@@ -272,8 +272,8 @@ def test_consumed_bytes_are_found_freed_and_predicted(monkeypatch):
     recomputation, as the model charges it (without, the step measures 2 MiB above its prediction). Under store-all
     the backwards run as one and autograd frees x_3 itself. Every schedule measures within its prediction, and the
     gradients equal eager training's."""
-    from hchain_viz.runtime import wrap as wrap_module
-    from hchain_viz.runtime.wrap import wrap
+    from hchain_viz.runtime.train import executor as executor_module
+    from hchain_viz.runtime.train.wrap import wrap
 
     torch.manual_seed(0)
     model = nn.Sequential(_Spread(), nn.Linear(64, 64), _Widen(), nn.Linear(1024, 64), nn.Linear(64, 16))
@@ -286,7 +286,7 @@ def test_consumed_bytes_are_found_freed_and_predicted(monkeypatch):
     assert hcv.simulate(chain, apart).peak_index == 8
     _check_schedules(model, x, chain, [strategies.store_all(chain), strategies.recompute_all(chain), apart],
                      lowest=0.9)
-    monkeypatch.setattr(wrap_module._Step, "_free_consumed", lambda *args: None)
+    monkeypatch.setattr(executor_module._Step, "_free_consumed", lambda *args: None)
     kept = measure(wrap(model, apart), x, repeats=1).peak_bytes
     assert kept - hcv.simulate(chain, apart).peak_memory > wide * 0.9
 
@@ -306,7 +306,7 @@ def test_gradient_sizes_are_measured():
     """δ_1 is the gradient of a broadcast view, four times the bytes of its storage (x[1]); the input needs no
     gradient, so B(0) makes none (delta[0] = 0); δ_L is the loss's gradient of the output. A store-all step measures
     within its prediction (0.78 of it here: the expanded gradient is summed back into a 64 KiB one as it goes)."""
-    from hchain_viz.runtime.wrap import wrap
+    from hchain_viz.runtime.train.wrap import wrap
 
     torch.manual_seed(0)
     model = nn.Sequential(_Broadcast(), nn.Linear(64, 16))
@@ -325,7 +325,7 @@ def test_sublayer_predictions_bound_measured_peaks(name):
     bytes, the gradients of broadcast views): every schedule's measured peak within [0.9, 1.0] of its prediction,
     never above it."""
     from hchain_viz.runtime.graph import extract_stages
-    from hchain_viz.runtime.wrap import wrap
+    from hchain_viz.runtime.train.wrap import wrap
 
     if name == "nanogpt":
         model, x, loss_fn = models.nanogpt(batch=2, seq=64, dim=64, heads=4, layers=2)
@@ -361,7 +361,7 @@ def test_sublayer_and_module_chains_predict_one_schedule_alike():
     B(attn.context) pass through (``delta_through``), and v itself after B(attn.context), which only that backward
     needs (``consumed_shared``)."""
     from hchain_viz.runtime.graph import extract_stages
-    from hchain_viz.runtime.wrap import wrap
+    from hchain_viz.runtime.train.wrap import wrap
 
     pytest.importorskip("transformers")
     model, x, loss_fn = models.hf_model("llama", batch=2, seq=256, layers=2, hidden=64, heads=4, vocab=128,

@@ -323,7 +323,8 @@ def test_look_alike_whose_layout_fails_to_run_falls_back_to_graph_extraction():
 # ---------------------------------------------------------------------------------------------- find_stages (#40)
 def test_find_stages_waits_for_an_input_only_where_one_can_change_the_answer():
     from hchain_viz import InvalidSchedule, Schedule
-    from hchain_viz.runtime.stages import find_stages, stage_count
+    from hchain_viz.core.regions import stage_count
+    from hchain_viz.runtime.stages import find_stages
 
     two = Schedule.parse("Fall0 Fall1 Loss B1 B0")
     assert stage_count(two) == 2

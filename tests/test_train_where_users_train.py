@@ -16,7 +16,7 @@ from gloo import gloo_rank
 from torch import nn
 
 import hchain_viz as hcv
-from hchain_viz.runtime.apply import DoubleCheckpointing
+from hchain_viz.errors import DoubleCheckpointing
 
 pytestmark = pytest.mark.torch
 
@@ -176,7 +176,7 @@ def test_pytorch_lightning_trainer_on_a_module_whose_model_has_a_schedule():
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     def hcv_applied(model):
-        from hchain_viz.runtime.apply import is_applied
+        from hchain_viz.runtime.train.inplace import is_applied
 
         return is_applied(model)
 

@@ -1,4 +1,4 @@
-"""The executor (runtime/wrap.py, docs/design.md §5): training by any schedule equals eager training, bit for bit.
+"""The executor (runtime/train/, docs/design.md §5): training by any schedule equals eager training, bit for bit.
 
 Every model below is trained for three SGD steps eagerly and wrapped by every baseline strategy and by the optimal
 schedule at several budgets; outputs, input and parameter gradients, buffers and the global RNG state must be
@@ -25,8 +25,8 @@ from hchain_viz.core.chain import Chain
 from hchain_viz.core.simulate import simulate
 from hchain_viz.core.solver import solve
 from hchain_viz.errors import HChainError, InvalidSchedule, NotSequentialError
-from hchain_viz.runtime import wrap as wrap_module
-from hchain_viz.runtime.wrap import ScheduledModule, wrap
+from hchain_viz.runtime.train import executor as executor_module
+from hchain_viz.runtime.train.wrap import ScheduledModule, wrap
 
 pytestmark = pytest.mark.torch
 
@@ -323,16 +323,16 @@ def test_cut_tensors_that_need_no_gradient_get_none_after_no_grad_forwards(monke
     eager(x).sum().backward()
     wrapped = wrap(model, strategies.recompute_all(Chain.random(4)))
     grads: list[list] = []
-    backward_op = wrap_module._Step._backward_op
+    backward_op = executor_module._Step._backward_op
 
     def spy(step, i):
         backward_op(step, i)
-        if step.delta.get(i) not in (None, wrap_module._SPENT):
+        if step.delta.get(i) not in (None, executor_module._SPENT):
             grads.append(step.delta[i])
 
-    monkeypatch.setattr(wrap_module._Step, "_backward_op", spy)
+    monkeypatch.setattr(executor_module._Step, "_backward_op", spy)
     wrapped(x).sum().backward()
-    assert wrapped._grad_mask[1:3] == [[True, False], [True, False]]
+    assert wrapped.executor.learned.grad_mask[1:3] == [[True, False], [True, False]]
     assert any(len(d) == 2 for d in grads) and all(d[1] is None for d in grads if len(d) == 2)
     for p, q in zip(model.parameters(), eager.parameters()):
         assert torch.equal(p.grad, q.grad)
@@ -363,8 +363,9 @@ def test_inplace_stage_does_not_corrupt_kept_checkpoints():
         for p, q in zip(wrapped.model.parameters(), ref_model.parameters()):
             assert torch.equal(p.grad, q.grad)
         assert torch.equal(xw, xe)  # the caller's input is changed exactly as eager changes it
-    assert wrapped._mutates[0] is True and wrapped._mutates[2] is True  # learned: these stages write their input
-    assert wrapped._mutates[1] is False
+    learned = wrapped.executor.learned
+    assert learned.mutates[0] is True and learned.mutates[2] is True  # learned: these stages write their input
+    assert wrapped.executor.learned.mutates[1] is False
 
 
 def test_inplace_first_op_on_input_that_requires_grad_does_not_raise():
@@ -401,7 +402,7 @@ def test_resident_set_follows_the_simulator_op_by_op(monkeypatch, sname):
     L = len(hcv.sequentialize(model))
     schedule = _checkpointing_schedules(L)[sname]
     seen = []
-    fwd, bwd = wrap_module._Step._forward_op, wrap_module._Step._backward_op
+    fwd, bwd = executor_module._Step._forward_op, executor_module._Step._backward_op
 
     def record_f(self, *args, **kw):
         fwd(self, *args, **kw)
@@ -411,8 +412,8 @@ def test_resident_set_follows_the_simulator_op_by_op(monkeypatch, sname):
         bwd(self, i)
         seen.append(_resident(self))
 
-    monkeypatch.setattr(wrap_module._Step, "_forward_op", record_f)
-    monkeypatch.setattr(wrap_module._Step, "_backward_op", record_b)
+    monkeypatch.setattr(executor_module._Step, "_forward_op", record_f)
+    monkeypatch.setattr(executor_module._Step, "_backward_op", record_b)
     wrap(copy.deepcopy(model), schedule)(_fresh(x)).sum().backward()
     expected = [{(it.kind, it.stage) for it in e.resident if it.kind != "out" and (it.kind, it.stage) != ("x", 0)}
                 for e in simulate(Chain.random(L), schedule).events if e.op.kind != "Loss"]
@@ -427,7 +428,7 @@ def test_checkpoint_storage_is_freed_right_after_its_backward(monkeypatch, sname
     L = len(hcv.sequentialize(model))
     schedule = _checkpointing_schedules(L)[sname]
     refs: dict[tuple[str, int], list] = {}
-    fwd, bwd = wrap_module._Step._forward_op, wrap_module._Step._backward_op
+    fwd, bwd = executor_module._Step._forward_op, executor_module._Step._backward_op
     alive_after_b = {}
 
     def record_f(self, n, kind, i, role, joined, *, in_backward):
@@ -446,8 +447,8 @@ def test_checkpoint_storage_is_freed_right_after_its_backward(monkeypatch, sname
         mine += refs.get(("xbar", i), []) + refs.get(("x", i), [])
         alive_after_b[i] = sum(r() is not None for r in mine)
 
-    monkeypatch.setattr(wrap_module._Step, "_forward_op", record_f)
-    monkeypatch.setattr(wrap_module._Step, "_backward_op", record_b)
+    monkeypatch.setattr(executor_module._Step, "_forward_op", record_f)
+    monkeypatch.setattr(executor_module._Step, "_backward_op", record_b)
     out = wrap(copy.deepcopy(model), schedule)(_fresh(x))
     _loss(out).backward()  # a real output gradient (sum()'s is a view of the caller's scalar)
     assert sum(len(v) for v in refs.values()) >= L - 1
@@ -459,14 +460,14 @@ def test_joined_stages_share_one_backward():
     store-all is a single group; recompute-all, whose Falls all read plain checkpoints, has one group per stage."""
     model, _ = mlp()
     chain = Chain.random(5)
-    assert wrap(model, strategies.store_all(chain))._group_start == [0] * 5
-    assert wrap(model, strategies.recompute_all(chain))._group_start == list(range(5))
+    assert wrap(model, strategies.store_all(chain)).executor.group_start == [0] * 5
+    assert wrap(model, strategies.recompute_all(chain)).executor.group_start == list(range(5))
     # Fall3 reads x_3 from inside x̄_3, but a forward runs between B3 and B2: no joining across the gap.
     gap = "Fck0 Fn1 Fall2 Fall3 Fall4 Loss B4 B3 Fck0 B2 Fall1 B1 Fall0 B0"
-    assert wrap(model, gap)._group_start == [0, 1, 2, 3, 3]
+    assert wrap(model, gap).executor.group_start == [0, 1, 2, 3, 3]
     # as many backward calls as the simulator charges (chain.backward_call)
     for s in (strategies.store_all(chain), strategies.recompute_all(chain), hcv.Schedule.parse(gap)):
-        assert len(set(wrap(model, s)._group_start)) == 5 - len(hcv.simulate(chain, s).joined)
+        assert len(set(wrap(model, s).executor.group_start)) == 5 - len(hcv.simulate(chain, s).joined)
     model, x = mlp()
     assert_identical(train(model, x, gap), reference("mlp"))
 
@@ -495,7 +496,7 @@ def test_stages_sharing_a_weight_back_propagate_apart():
     x = torch.randn(16, 1024)
     chain = profile(model, x, warmup=0, repeats=1, progress=False)
     wrapped = wrap(model, strategies.store_all(chain))
-    assert wrapped._group_start == [0, 0, 0, 0, 4]  # joined, it measured 2.39 MB against 1.36 MB predicted
+    assert wrapped.executor.group_start == [0, 0, 0, 0, 4]  # joined, it measured 2.39 MB against 1.36 MB predicted
     assert measure(wrapped, x, repeats=1).peak_bytes <= hcv.simulate(chain, strategies.store_all(chain)).peak_memory
     eager = copy.deepcopy(model)
     _loss(eager(x)).backward()
@@ -685,13 +686,13 @@ def test_a_parameter_replaced_or_frozen_after_a_step_is_seen_by_the_next_one():
     x = torch.randn(4, 8)
     wrapped = wrap(model, strategies.recompute_all(Chain.random(3)))
     wrapped(x).sum().backward()
-    assert wrapped._grad_mask[1] == [True]
+    assert wrapped.executor.learned.grad_mask[1] == [True]
     model[0].weight = nn.Parameter(model[0].weight.detach().clone(), requires_grad=False)
     model.zero_grad(set_to_none=True)
     eager = copy.deepcopy(model)
     wrapped(x).sum().backward()
     eager(x).sum().backward()
-    assert wrapped._grad_mask[1] == [False]
+    assert wrapped.executor.learned.grad_mask[1] == [False]
     for p, q in zip(model.parameters(), eager.parameters()):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
     assert model[0].weight.grad is None and model[1].weight.grad is not None

@@ -28,7 +28,7 @@ What it measures and how: NOTE [what bench compile measures] below; the runs: do
 # regions) and the whole model compiled by ``torch.compile`` (inductor), against ``torch.compile``'s
 # ``activation_memory_budget`` at equal measured memory (the allocator-event meter sees compiled code). Candidates are
 # the single-level optimum's schedules (``solve(chain, single_level=True)``: each stage recomputed at most once, the
-# schedules torch.compile runs as scheduled, ``runtime/native.py``, NOTE [compiled memory]) at ``--candidates``
+# schedules torch.compile runs as scheduled, ``core/regions.py``, NOTE [compiled memory]) at ``--candidates``
 # budgets spread from its least to store-all, solved on the chain profiled with compiled stages (``--chain compiled``,
 # the default: its saved tensors are inductor's, fewer than eager's), each applied to its own copy of the model and
 # compiled once; per compile budget, the fastest whose measured peak is at most compile's. ``--forms`` (default
@@ -212,7 +212,7 @@ def _one_model(name: str, sizes: dict, budgets: list[float], rounds: int) -> str
     from ..runtime.measure import measure
     from ..runtime.profile import profile
     from ..runtime.stages import sequentialize
-    from ..runtime.wrap import wrap
+    from ..runtime.train.wrap import wrap
 
     model, x, loss_fn = models.demo_model(name, **sizes)
     t0 = time.perf_counter()
@@ -301,15 +301,16 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
     selective (``apply(..., selective=True)``), each profiled and solved on its own chain."""
     import copy
 
+    from ..core.regions import compiled_peak, compiled_schedule, selective_chain
     from ..core.simulate import simulate
     from ..core.solver import solve
     from ..core.units import format_bytes, format_time
-    from ..runtime.apply import apply
     from ..runtime.compiled import budget_backend
     from ..runtime.measure import measure
-    from ..runtime.native import compiled_peak, compiled_schedule, grad_bytes, selective_chain
     from ..runtime.profile import profile
     from ..runtime.stages import sequentialize
+    from ..runtime.train.inplace import apply
+    from ..runtime.train.native import grad_bytes
 
     model, x, loss_fn, caller = _load(name, sizes, device)
     granularity = {None: NATIVE_CUT.get(name), "module": None}.get(cut, cut)
@@ -327,7 +328,7 @@ def _native(name: str, sizes: dict, budgets: list[float], rounds: int, n_candida
         # the selective form: its stages outside regions selective, predicted by the mix of both profiles
         picked = profile(model, x, loss_fn, granularity=granularity, compile=True, selective=True,
                          progress=False) if selective else None
-        sol = solve(picked or chain, single_level=True)  # what torch.compile runs as scheduled (runtime/native.py)
+        sol = solve(picked or chain, single_level=True)  # what torch.compile runs as scheduled (core/regions.py)
         form = "selective" if selective else "plain"
         _progress(f"{name}: {form} stages profiled ({chain.length}) and solved at {time.perf_counter() - t0:.0f} s")
         lo, hi = sol.min_budget, sol.store_all_peak

@@ -89,7 +89,7 @@ def _one(name: str, oname: str, dev_name: str, repeats: int) -> tuple[list, list
     from ..runtime.batch import profile_batches
     from ..runtime.fixed import make_optimizer
     from ..runtime.measure import measure
-    from ..runtime.wrap import wrap
+    from ..runtime.train.wrap import wrap
 
     fit_sizes, held_out, grid = SIZES[name]
     model = models.demo_model(name, device=dev_name)[0]

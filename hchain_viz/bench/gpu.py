@@ -522,7 +522,7 @@ def fidelity_model(ctx: Ctx, name: str, size: dict[str, Any], granularity: Any =
     from ..runtime.fixed import make_optimizer
     from ..runtime.measure import measure
     from ..runtime.profile import profile
-    from ..runtime.wrap import wrap
+    from ..runtime.train.wrap import wrap
 
     label = f"{name}" + (f" (granularity={granularity!r})" if granularity is not None else "") + \
         (f" with {optimizer}" if optimizer else "")
@@ -788,7 +788,7 @@ def amp_training(ctx: Ctx, size: dict[str, Any], dtype: Any) -> str:
 
     from ..core.solver import solve
     from ..runtime.profile import profile
-    from ..runtime.wrap import wrap
+    from ..runtime.train.wrap import wrap
 
     label = f"training under autocast {str(dtype).removeprefix('torch.')}"
     if ctx.expired():

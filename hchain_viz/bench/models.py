@@ -129,7 +129,7 @@ def _gains(stages: list[tuple[str, nn.Module]], x: Any, loss_fn: Callable,
     from ..core.strategies import periodic
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.profile import profile
-    from ..runtime.wrap import wrap
+    from ..runtime.train.wrap import wrap
     from . import optimal_at
     from .train import _CheckpointSequential, _interleaved_times
 
@@ -320,7 +320,7 @@ def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.profile import profile
     from ..runtime.stages import sequentialize
-    from ..runtime.wrap import wrap
+    from ..runtime.train.wrap import wrap
     from . import optimal_at
     from .train import _CheckpointSequential, _grouped_times, _interleaved_times
 

@@ -45,7 +45,7 @@ def run(args: list[str], sizes: dict[str, dict[str, Any]] | None = None) -> None
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.profile import profile
     from ..runtime.stages import sequentialize
-    from ..runtime.wrap import wrap
+    from ..runtime.train.wrap import wrap
 
     parser = argparse.ArgumentParser(prog="hchain_viz bench train", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet_chain,transformer_chain,mlp_chain",

@@ -139,7 +139,7 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     from ..runtime.graph import extract_stages
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.profile import profile
-    from ..runtime.wrap import wrap
+    from ..runtime.train.wrap import wrap
     from . import optimal_at
     from .train import _interleaved_times
 
@@ -351,7 +351,7 @@ def _measured_points(name: str, layers: int, seq: int, opts: Any) -> list[tuple]
     from ..core.solver import solve
     from ..core.strategies import store_all
     from ..runtime.measure import fresh_copy, measure
-    from ..runtime.wrap import wrap
+    from ..runtime.train.wrap import wrap
     from .train import _interleaved_times
 
     runs = []  # (chain key, family or "optimal", schedule, wrapped module, x, loss_fn, measured peak)
@@ -450,7 +450,7 @@ def _per_layer_check(opts: Any) -> None:
     from ..core.strategies import per_layer, store_all
     from ..core.units import format_bytes
     from ..runtime.measure import measure
-    from ..runtime.wrap import wrap
+    from ..runtime.train.wrap import wrap
 
     name = opts.models.split(",")[0].strip()
     layers = int(opts.layer_counts.split(",")[0])

@@ -23,7 +23,7 @@ from torch import nn
 from ..core.pipeline import PipelinePlan
 from ..errors import InvalidPipeline
 from .stages import sequentialize
-from .wrap import wrap
+from .train.wrap import wrap
 
 __all__ = ["pipeline", "PipelineRun"]
 

@@ -722,6 +722,6 @@ class _Selective(nn.Module):
         self.stage = stage
 
     def forward(self, x: Any) -> Any:
-        from .native import selective_call
+        from .train.native import selective_call
 
         return selective_call(self.stage, x)

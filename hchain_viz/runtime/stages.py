@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.regions import stage_count
 from ..core.schedule import Schedule
 from ..errors import InvalidSchedule, NotSequentialError, ProfileError
 from .memtrack import cuda_devices, map_tensors, tensors
@@ -38,7 +39,7 @@ Stage = tuple[str, nn.Module]
 # Look-alike models (torchvision-style by attribute names) whose stages were seen to reproduce the model's output.
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()
 
-__all__ = ["sequentialize", "find_stages", "stage_count", "Stage", "fuse", "buffer_snapshot"]
+__all__ = ["sequentialize", "find_stages", "Stage", "fuse", "buffer_snapshot"]
 
 
 def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | int | None = None) -> list[Stage]:
@@ -119,20 +120,6 @@ def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | in
             _VERIFIED.add(model)
         stages = _fuse_marked(stages, inplace)
     return stages
-
-
-def stage_count(schedule: Schedule) -> int:
-    """The number of stages L a schedule is for: the stage of its one ``Loss`` op.
-
-    Raises:
-        InvalidSchedule: the schedule has no ``Loss`` op or several, or none of its stages comes before it.
-    """
-    losses = [op.stage for op in schedule.ops if op.kind == "Loss"]
-    if len(losses) != 1:
-        raise InvalidSchedule(f"a schedule has exactly one Loss op; this one has {len(losses)} ({schedule!r})")
-    if losses[0] < 1:
-        raise InvalidSchedule("the schedule has no forward op before its Loss; it is for a chain of no stages")
-    return losses[0]
 
 
 def find_stages(model: Any, schedule: Schedule, sample_input: Any = None) -> list[Stage] | None:

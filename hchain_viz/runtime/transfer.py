@@ -1,4 +1,4 @@
-"""The executor's transfer channel (docs/design.md §9): ``Off(i)`` / ``Pre(i)`` for :mod:`hchain_viz.runtime.wrap`.
+"""The executor's transfer channel (docs/design.md §9): ``Off(i)`` / ``Pre(i)`` for ``runtime/train/executor.py``.
 
 What moves: for ``Off(i)`` on x̄_{i+1} (after ``Fall(i)``), the tensors autograd saved for B(i) — packed into
 :class:`Box` es by ``saved_tensors_hooks`` while the stage ran, so they can be swapped for a host copy and back —

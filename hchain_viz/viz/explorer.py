@@ -422,7 +422,7 @@ class Explorer:
         model = self.model if model is None else model
         if model is None:
             raise HChainError("no model to wrap: pass it, explorer.wrap(model), or build the explorer with one")
-        from ..runtime.wrap import wrap
+        from ..runtime.train.wrap import wrap
 
         return wrap(model, self.schedule, **kwargs)
 

@@ -4,29 +4,20 @@
     trainer = transformers.Trainer(model=model, args=TrainingArguments(...), ...)   # or accelerate, Lightning, a loop
     hcv.remove(model)                 # back to the plain model
 
-    hcv.checkpoint(model, batch, budget="6GiB")   # profile, solve and apply in one line; prints what it chose
+Owns :func:`apply`, :func:`remove`, :func:`is_applied` and what an applied model holds (``_Applied``): the
+instance's ``forward`` replaced by :class:`AppliedForward` (the original signature kept, so Hugging Face's Trainer
+keeps its dataset columns), each training call checked against the profiled structure (``_Structure``) and run by
+an executor of the schedule (``train/executor.py``, or ``train/native.py`` with ``native=True``), driven only
+through its protocol (Note: [executor protocol]). ``eval()`` and ``torch.no_grad()`` run the original forward.
 
-The model's ``forward`` is replaced on the instance (never on its class) by :class:`AppliedForward`, which carries
-the original signature (``inspect.signature(model.forward)`` is unchanged: Hugging Face's Trainer reads it to keep
-dataset columns). In training mode with grad enabled, a call is bound to that signature, checked against the
-structure profiled (argument names, tensor shapes and dtypes, other values), turned into the chain's input x_0 and run
-by the one executor of ``runtime/wrap.py`` (:class:`~hchain_viz.runtime.wrap.ScheduledModule`, kept beside the model,
-not registered in it: ``state_dict``, ``parameters()`` and ``modules()`` are the plain model's). Otherwise (``eval()``,
-``torch.no_grad()``) the original forward runs. ``native=True`` runs the schedule as nested non-reentrant
-``torch.utils.checkpoint`` regions instead (``runtime/native.py``), which ``torch.compile(model)`` compiles whole.
-
-Calls by keywords (``model(**batch)``, as Hugging Face code calls) and with the dict itself (``model(batch)``, the
-convention of ``hcv.profile``) are the same structure. Two differences are accepted, each with the stages traced once
-more for it (and cached), which must come out the same (same names): the loss arguments Hugging Face's Trainer adds
-to the profiled batch (``num_items_in_batch``: they change the loss only), and a smaller batch (every tensor of the
-profiled batch size with fewer samples, other sizes equal: the last batch of an epoch; its memory is at most the
-schedule's). Anything else that differs raises :class:`InputMismatch`. An applied model pickles
-(``torch.save(model)``): its executors are left out and rebuilt at the next training call.
+Calls by keywords (``model(**batch)``) and with the dict itself (``model(batch)``) are the same structure. Two
+differences are accepted, each with the stages traced once more for it (same names required): the loss arguments
+Hugging Face's Trainer adds (``num_items_in_batch``) and a smaller last batch. Anything else raises
+:class:`InputMismatch`. An applied model pickles: its executors are left out and rebuilt at the next training call.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import sys
@@ -37,24 +28,21 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..core.chain import Chain
-from ..core.schedule import Schedule
-from ..core.units import format_bytes, format_time
-from ..errors import (  # noqa: F401 (the error classes stay importable from here)
-    AlreadyApplied,
-    DoubleCheckpointing,
-    HChainError,
-    InfeasibleBudget,
-    InputMismatch,
-    ScheduleMismatch,
-)
-from .compiled import check_not_compiled
-from .precision import Precision, precision_of, running, runs_in, warn_other_precision
-from .precision import describe as describe_precision
-from .wrap import ScheduledModule, _as_schedule
+from ...core.chain import Chain
+from ...core.regions import compiled_peak, selective_chain
+from ...core.schedule import Schedule
+from ...core.simulate import simulate
+from ...core.units import format_bytes
+from ...errors import AlreadyApplied, DoubleCheckpointing, HChainError, InputMismatch, ScheduleMismatch
+from ..compiled import check_not_compiled, compile_options
+from ..precision import Precision, precision_of, runs_in, warn_other_precision
+from ..precision import describe as describe_precision
+from ..stages import Stage, sequentialize
+from .executor import Executor, StepRunner, as_schedule
+from .native import NativeSchedule, grad_bytes
+from .wrap import ScheduledModule
 
-__all__ = ["apply", "remove", "checkpoint", "is_applied", "AppliedForward", "AlreadyApplied", "ScheduleMismatch",
-           "InputMismatch", "DoubleCheckpointing"]
+__all__ = ["apply", "remove", "is_applied", "applied_state", "AppliedForward"]
 
 _ATTR = "_hcv_applied"  # the instance attribute holding the applied state (outside _modules: no state_dict keys)
 # Keyword arguments Hugging Face's Trainer adds to a batch for the model's loss (model_accepts_loss_kwargs).
@@ -76,12 +64,12 @@ def apply(model: nn.Module, schedule: Schedule | str, *, chain: Chain | None = N
     ``hcv.profile``): fixes the call structure now; without it, the first training call fixes it.
     ``native``: run the schedule as nested non-reentrant ``torch.utils.checkpoint`` regions (the schedule's segment
     tree), so that ``torch.compile(model)`` compiles the whole step with the schedule inside; see
-    :mod:`hchain_viz.runtime.native` for the schedules it takes and its guarantees. ``preserve_rng_state`` and
+    :mod:`hchain_viz.runtime.train.native` for the schedules it takes and its guarantees. ``preserve_rng_state`` and
     ``compile`` (compiled stages under the eager executor) are those of :func:`hcv.wrap`. ``selective`` (with
     ``native``): every stage outside the checkpoint regions saves only its matrix products' and convolutions'
-    outputs and recomputes the rest in its backward (``runtime/native.py``). Give it the model's chain profiled with
-    ``profile(..., compile=True, selective=True)`` (``chain=`` stays the plain one) to have the form's memory
-    predicted; ``True`` runs it unpredicted.
+    outputs and recomputes the rest in its backward (``runtime/train/native.py``). Give it the model's chain
+    profiled with ``profile(..., compile=True, selective=True)`` (``chain=`` stays the plain one) to have the form's
+    memory predicted; ``True`` runs it unpredicted.
 
     The model keeps its class, ``forward`` signature, attributes and methods (``config``, ``save_pretrained``,
     ``generate``) and ``state_dict`` keys; ``eval()`` and ``torch.no_grad()`` run its plain forward. Raises
@@ -105,7 +93,7 @@ def apply(model: nn.Module, schedule: Schedule | str, *, chain: Chain | None = N
     if selective and not native:
         raise HChainError("selective=True is a form of the native schedule (PyTorch's selective activation "
                           "checkpointing in every stage): pass native=True as well")
-    state = _Applied(model, _as_schedule(schedule), chain=chain, native=bool(native),
+    state = _Applied(model, as_schedule(schedule), chain=chain, native=bool(native),
                      preserve_rng_state=preserve_rng_state, compile=compile, selective=selective)
     if sample is not None:
         state.fix_structure(sample)
@@ -127,190 +115,10 @@ def is_applied(model: Any) -> bool:
     return isinstance(model, nn.Module) and _ATTR in model.__dict__
 
 
-def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
-               device_memory: int | str | None = None, loss_fn: Any = None,
-               optimizer: torch.optim.Optimizer | None = None, granularity: str | int | None = None,
-               native: bool = False, selective: bool = False, verify: bool = False, progress: bool = True,
-               verbose: bool = True, autocast: torch.dtype | None = None) -> nn.Module:
-    """Profile ``model`` on ``batch``, solve, and apply the fastest schedule that fits; returns ``model``.
-
-    The one-line entry point, as easy as Hugging Face's ``gradient_checkpointing_enable()`` (docs/design.md §1.1).
-
-    Args:
-        batch: a training batch as the model is called with it (a dict for ``model(**batch)``, a tensor, a tuple);
-            later training calls must have its structure and shapes.
-        budget: activation memory (bytes or ``"6GiB"``); or ``device_memory``: the whole device, the fixed part
-            counted (§7; needs ``optimizer``). Neither: the CUDA device's memory, else no limit (store-all).
-        loss_fn: ``loss_fn(output)``, the loss profiled for the last stage (default: ``output.loss`` if any).
-        granularity: how finely a traced model is cut (``"sublayer"``: inside transformer layers).
-        native, selective: see :func:`apply`; the schedule then fits also compiled whole (§5.3), and with
-            ``selective`` the model is profiled twice with compiled stages, plain and selective.
-        verify: measure a step (compiled whole when ``native``) and re-apply for the budget scaled by budget /
-            measured, until one measures within or four steps are measured (docs/compile.md).
-        verbose, progress: print the budget, predicted peak and overhead and each measured peak; progress bars.
-        autocast: profile, trace and verify under ``torch.autocast(device, dtype=autocast)`` (§11).
-
-    Raises:
-        InfeasibleBudget: ``verify`` measured no schedule within the budget; the model is left plain.
-    """
-    from ..core.simulate import simulate
-    from ..core.solver import solve
-    from ..core.strategies import store_all
-    from .profile import profile
-
-    if is_applied(model):
-        raise AlreadyApplied(f"this {type(model).__name__} already trains by a schedule; call hcv.remove(model) first")
-    if autocast is not None:  # all of it in the precision the training step will run in
-        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-        with running(autocast, dev):
-            return checkpoint(model, batch, budget, device_memory=device_memory, loss_fn=loss_fn,
-                              optimizer=optimizer, granularity=granularity, native=native, selective=selective,
-                              verify=verify, progress=progress, verbose=verbose)
-    if device_memory is not None and budget is not None:
-        raise HChainError("give either budget (activation bytes) or device_memory (the whole device), not both")
-    if budget is None and device_memory is None:
-        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-        if dev.type == "cuda":
-            device_memory = torch.cuda.get_device_properties(dev).total_memory
-    if device_memory is not None and optimizer is None:
-        raise HChainError("a budget as device memory counts the optimizer's state: pass optimizer= (the training "
-                          "step's optimizer), or give budget= (activation memory) instead")
-    if selective and not native:
-        raise HChainError("selective=True is a form of the native schedule: pass native=True as well")
-    # with selective stages, two profiles of compiled stages: the plain one (for the regions) and the selective one
-    chain = profile(model, batch, loss_fn, optimizer=optimizer, granularity=granularity, progress=progress,
-                    compile=bool(selective))
-    picked = profile(model, batch, loss_fn, granularity=granularity, progress=progress, compile=True,
-                     selective=True) if selective else None
-    if native:  # one compiled graph: no group of stages runs a backward call of its own
-        chain = dataclasses.replace(chain, backward_call=0.0)
-    sol = solve(chain)
-    if device_memory is not None:
-        schedule = sol.schedule(device_memory=device_memory)
-        asked = f"device memory {format_bytes(_bytes(device_memory))}"
-    elif budget is not None:
-        schedule = sol.schedule(budget)
-        asked = f"activation budget {format_bytes(_bytes(budget))}"
-    else:
-        schedule = store_all(chain)
-        asked = "no budget (CPU model, no device memory given): store-all"
-    limit = _bytes(schedule.meta["budget"]) if "budget" in schedule.meta else None  # activation bytes
-    fitting = _with_precision(sol.schedule, chain)  # the schedule for an activation budget
-    if native and limit is not None:  # the fastest schedule whose compiled form fits (runtime/native.py)
-        from .native import for_compile, grad_bytes
-        from .stages import sequentialize
-
-        grads = grad_bytes([m for _, m in sequentialize(model, batch, granularity=granularity)])
-        # The budget as given, not capped at the store-all peak: compiled, the gradients held add to every peak
-        fitting = _with_precision(functools.partial(for_compile, sol, grads=grads, selective=picked), chain)
-        schedule = fitting(limit)
-    schedule.meta["precision"] = chain.meta["precision"]
-    put = functools.partial(apply, model, chain=chain, sample=batch, native=native, selective=picked or False)
-    put(schedule)
-    measured = None
-    if verify:
-        schedule, measured = _verified(model, batch, loss_fn, limit, fitting, put, verbose)
-    if verbose:
-        from .native import selective_chain
-
-        trace, base = simulate(selective_chain(chain, picked, schedule), schedule), simulate(chain, store_all(chain))
-        overhead = trace.makespan / base.makespan - 1 if base.makespan > 0 else 0.0
-        print(f"hchain_viz: {type(model).__name__} in {chain.length} stages, {asked}: "
-              f"{schedule.n_recomputed} recomputed forwards, predicted activation peak "
-              f"{format_bytes(trace.peak_memory)} (store-all {format_bytes(base.peak_memory)})"
-              + ("" if measured is None else f", measured {format_bytes(measured)}")
-              + f", predicted step {format_time(trace.makespan)} ({overhead:+.1%} vs store-all)")
-    return model
-
-
-def _with_precision(fitting: Any, chain: Chain) -> Any:
-    """``fitting`` whose schedules carry the chain's profiled precision in their meta."""
-    def fit(*args: Any, **kwargs: Any) -> Schedule:
-        schedule = fitting(*args, **kwargs)
-        schedule.meta["precision"] = chain.meta["precision"]
-        return schedule
-    return fit
-
-
-_VERIFY_TRIES = 4  # measured steps at most: the overshoot of inductor's scheduling is not the same at each budget
-
-
-def _verified(model: nn.Module, batch: Any, loss_fn: Any, limit: int | None, fitting: Any, put: Any,
-              verbose: bool) -> tuple[Schedule, int]:
-    """Measure the applied model's step on ``batch`` (compiled whole in the native form), then apply (``put``) the
-    schedule ``fitting`` gives for the budget scaled by ``limit`` over what was measured (lower when the step is
-    above ``limit``, higher when below), until a schedule comes back or four steps are measured. Leaves applied, and
-    returns with its measured peak, the schedule for the highest budget that measured within ``limit`` (the fastest,
-    by the chain)."""
-    from .measure import measure
-
-    state = model.__dict__[_ATTR]
-    schedule, target = state.schedule, limit
-    tried: set[tuple] = set()
-    best: tuple[int, Schedule, int] | None = None  # (budget chosen for, schedule, measured) that measured within
-    why = ""
-    while True:
-        state.warned = True  # the compiled-memory warning says to measure: done here
-        runner = _BatchCall(torch.compile(model) if state.native else model, state.structure)
-        measured = measure(runner, batch, loss_fn, repeats=1).peak_bytes
-        tried.add(schedule.ops)
-        fits = limit is None or measured <= limit
-        if verbose:
-            print(f"hchain_viz: measured {'compiled ' if state.native else ''}step peak {format_bytes(measured)} "
-                  f"with {schedule.n_recomputed} recomputed forwards"
-                  + ("" if limit is None else f" ({'within' if fits else 'above'} {format_bytes(limit)})"))
-        if limit is None:
-            return schedule, measured
-        if fits and (best is None or target > best[0]):
-            best = (target, schedule, measured)
-        if len(tried) == _VERIFY_TRIES:
-            break
-        following = schedule
-        while following.ops == schedule.ops:  # the budget scaled by the overshoot (or the room left) until it changes
-            target = target * limit // measured
-            try:
-                following = fitting(target)
-            except HChainError as e:  # nothing fits the lowered budget
-                why = f"; nothing fits {format_bytes(target)} ({e})"
-                break
-            if fits:  # raised: the same schedule again is as fast as this budget allows
-                break
-        if why or following.ops in tried:
-            break
-        remove(model)
-        put(following)
-        state, schedule = model.__dict__[_ATTR], following
-    if best is None:
-        remove(model)
-        raise InfeasibleBudget(
-            f"no schedule measured within the budget of {format_bytes(limit)}: the last of {len(tried)} measured "
-            f"{format_bytes(measured)} with {schedule.n_recomputed} recomputed forwards{why}. The model is left as it "
-            f"was; give a larger budget or a smaller batch"
-            + (", or run the schedule by the executor (native=False), whose peaks are at most its predictions"
-               if state.native else ""), budget=limit)
-    if best[1] is not schedule:
-        remove(model)
-        put(best[1])
-    return best[1], best[2]
-
-
-class _BatchCall(nn.Module):
-    """Calls a model with a batch in the form it was profiled in (``model(**batch)`` for a dict), as
-    :func:`~hchain_viz.measure` passes its sample as one argument."""
-
-    def __init__(self, model: nn.Module, structure: Any):
-        super().__init__()
-        self.model, self.structure = model, structure
-
-    def forward(self, batch: Any) -> Any:
-        args, kwargs = self.structure.as_call(batch)
-        return self.model(*args, **kwargs)
-
-
-def _bytes(value: int | str) -> int:
-    from ..core.units import parse_bytes
-
-    return value if isinstance(value, int) else parse_bytes(value)
+def applied_state(model: nn.Module) -> _Applied:
+    """What :func:`apply` keeps beside ``model`` (its schedule, chain, form and executors); ``model`` must be
+    applied."""
+    return model.__dict__[_ATTR]
 
 
 # ---------------------------------------------------------------------------------------------- the forward
@@ -331,7 +139,7 @@ class AppliedForward:
             return state.call_plain(args, kwargs)
         if state.native:
             ex, x0 = state.prepare(args, kwargs, torch.compiler.is_compiling())  # checked outside any graph
-            return ex._train_step(x0)  # traced whole by torch.compile(model)
+            return ex.train_step(x0)  # traced whole by torch.compile(model)
         return state.train_call_eager(args, kwargs)
 
     def __repr__(self) -> str:
@@ -399,11 +207,12 @@ class _Applied:
         self.original = bound.__func__ if self.unbound else bound
         self.signature = inspect.signature(bound)
         self.sequential = isinstance(model, nn.Sequential)
-        self.options = dict(preserve_rng_state=preserve_rng_state, compile=compile)
+        self.preserve_rng_state = bool(preserve_rng_state)
+        self.compile_options = compile_options(compile)
         self.replaced: dict[str, Any] = {}  # instance attributes we set, with what was there (or _MISSING)
         self.structure: _Structure | None = None  # the profiled call structure
-        self.executors: dict[Any, Any] = {}  # per accepted call structure: its executor (stages traced for it)
-        self.first: Any = self._executor(None)  # None after unpickling: rebuilt at the next training call
+        self.executors: dict[Any, StepRunner] = {}  # per accepted call structure: its executor (stages traced for it)
+        self.first: StepRunner | None = self._executor(None)  # None after unpickling: rebuilt at the next training call
         if self.selective_chain is not None and not (self.selective_chain.meta or {}).get("selective"):
             raise ScheduleMismatch("selective= takes a chain profiled with profile(..., compile=True, selective=True) "
                                    "(or True, to run the form unpredicted)")
@@ -449,18 +258,18 @@ class _Applied:
         return f"{name}: {len(self.schedule)} ops, {self.schedule.n_recomputed} recomputed forwards, by {form}"
 
     # -------------------------------------------------------------- executors
-    def _executor(self, x0: Any) -> Any:
+    def _executor(self, x0: Any) -> StepRunner:
         """The executor for stages traced on ``x0`` (None: the stages known now, or traced at the first call)."""
         with self._bypassed():
+            ex: StepRunner
             if self.native:
-                from .native import NativeSchedule
-
-                ex = NativeSchedule(self.model, self.schedule, preserve_rng_state=self.options["preserve_rng_state"],
+                ex = NativeSchedule(self.model, self.schedule, preserve_rng_state=self.preserve_rng_state,
                                     selective=self.selective)
             else:
-                ex = ScheduledModule(self.model, self.schedule, **self.options)
+                ex = Executor(self.model, self.schedule, preserve_rng_state=self.preserve_rng_state,
+                              compile_options=self.compile_options)
             if x0 is not None:
-                ex._ensure_stages(x0)
+                ex.ensure_stages(x0)
         return ex
 
     def _bypassed(self) -> Any:
@@ -501,8 +310,6 @@ class _Applied:
                 f"(hcv.profile(model, batch)) and solve again")
         stages = self.first.stages
         if stages is None:  # more stages than the schedule's (fewer raise in the executor), or traced later
-            from .stages import sequentialize
-
             try:
                 with self._bypassed():
                     stages = sequentialize(model)
@@ -567,27 +374,25 @@ class _Applied:
 
     def train_call(self, args: tuple, kwargs: dict) -> Any:
         ex, x0 = self._prepare(args, kwargs)
-        return ex._train_step(x0)
+        return ex.train_step(x0)
 
     @torch.compiler.disable  # a graph break before any compute: the checks run, the step compiles as one graph
-    def prepare(self, args: tuple, kwargs: dict, compiling: bool = False) -> tuple[Any, Any]:
+    def prepare(self, args: tuple, kwargs: dict, compiling: bool = False) -> tuple[StepRunner, Any]:
         ex, x0 = self._prepare(args, kwargs)
         if compiling and not self.warned:
             self.warned = True
             self._warn_compiled(ex)
         return ex, x0
 
-    def _warn_compiled(self, ex: Any) -> None:
+    def _warn_compiled(self, ex: StepRunner) -> None:
         """torch.compile(model) of the native form: warn when its memory may exceed the schedule's prediction
-        (NOTE [compiled memory] in runtime/native.py): always when it recomputes, with the numbers where a chain
+        (NOTE [compiled memory] in core/regions.py): always when it recomputes, with the numbers where a chain
         was given."""
         import warnings
 
-        from ..core.simulate import simulate
-        from .native import compiled_peak, grad_bytes, selective_chain
-
         fix = ("pick the schedule for a compiled model with hcv.checkpoint(model, batch, budget, native=True) or "
-               "hchain_viz.runtime.native.for_compile(solution, budget, grad_bytes(stages))")
+               "hchain_viz.core.regions.for_compile(solution, budget, grad_bytes(stages)), grad_bytes from "
+               "hchain_viz.runtime.train.native")
         inductor = ("inductor's kernel scheduling can hold more than that when a region recomputes (measured up to "
                     "1.44x on GPT-2, docs/compile.md): measure the compiled step (hcv.measure(compiled, batch)) "
                     "before relying on the budget, or let hcv.checkpoint(..., native=True, verify=True) measure it "
@@ -600,7 +405,7 @@ class _Applied:
                           stacklevel=2)
             return
         eager = simulate(selective_chain(self.chain, self.selective_chain, self.schedule), self.schedule).peak_memory
-        compiled = compiled_peak(self.chain, self.schedule, grad_bytes(ex._modules), self.selective_chain)
+        compiled = compiled_peak(self.chain, self.schedule, grad_bytes([m for _, m in ex.stages]), self.selective_chain)
         if compiled > eager:
             warnings.warn(f"torch.compile of a model trained by a native schedule predicted at "
                           f"{format_bytes(eager)}: compiled whole it is predicted at {format_bytes(compiled)} "
@@ -612,7 +417,7 @@ class _Applied:
                           f"is predicted at {format_bytes(compiled)} (AOTAutograd's partition, measured within "
                           f"0.9-1.0 of it); {inductor}", stacklevel=2)
 
-    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[StepRunner, Any]:
         """The executor and x_0 for a training call, after checking the model and the call's structure."""
         self.check_model()
         if self.first is None:  # unpickled or copied: the executor of the profiled structure again
@@ -656,10 +461,10 @@ class _Applied:
                 f"{[list(s) for s in shapes]}; profile with a batch of the training shapes (hcv.checkpoint(model, "
                 f"batch, ...)) so the schedule's memory is the training step's")
 
-    def _executor_for(self, key: Any, x0: Any, precision: Precision) -> Any:
+    def _executor_for(self, key: Any, x0: Any, precision: Precision) -> StepRunner:
         if key == () and self.first.stages is None:  # the profiled structure: its stages traced now
             names = list(self.chain.names) if self.chain is not None else None
-            self.first._set_stages(self._trace(x0, names, "the profiled inputs"))
+            self.first.bind(self._trace(x0, names, "the profiled inputs"))
         if key == () and runs_in(self.first.stages, precision):  # the stages profiled (or traced now)
             ex = self.first
             self._check_stages(ex.stages)
@@ -668,7 +473,7 @@ class _Applied:
         self.executors[key, precision] = ex
         return ex
 
-    def _retrace(self, x0: Any, key: tuple, precision: Precision) -> Any:
+    def _retrace(self, x0: Any, key: tuple, precision: Precision) -> StepRunner:
         smaller = any(k.startswith("batch=") for k in key)
         if self.first.stages is None and not smaller:  # the stages of the profiled structure, to compare with
             self._executor_for((), {k: v for k, v in x0.items() if k not in LOSS_KWARGS}, precision)
@@ -680,14 +485,12 @@ class _Applied:
                              *(f"a smaller {k.replace('=', ' of ')}" for k in key if k.startswith("batch="))]
                             or [f"the inputs profiled, in {describe_precision(precision)}"])
         ex = self._executor(None)
-        ex._set_stages(self._trace(x0, names, what))
+        ex.bind(self._trace(x0, names, what))
         return ex
 
-    def _trace(self, x0: Any, names: list[str] | None, what: str) -> list[tuple[str, nn.Module]]:
+    def _trace(self, x0: Any, names: list[str] | None, what: str) -> list[Stage]:
         """The model's stages traced on ``x0``: those named ``names`` (the profiled ones; any granularity that
         gives them), or without names as many as the schedule has; checked against the model's parameters."""
-        from .stages import sequentialize
-
         tried = []
         for granularity in (None, "sublayer", "finest"):
             with self._bypassed():
@@ -719,7 +522,7 @@ class _Applied:
         if modes != self.modes:  # dropout may come and go with submodules' modes: learn again which stages draw
             self.modes = modes
             for ex in self.executors.values():
-                ex._forget_draws()
+                ex.forget_draws()
 
 
 class _Missing:

@@ -1,39 +1,45 @@
-"""The executor (docs/design.md §5): ``wrap(model, schedule)`` returns a module that trains by the schedule.
+"""The executor (docs/design.md §5.1): :class:`Executor` runs a schedule's ops on a model's stages, one training step
+per call, for both forms that train by it (``hcv.wrap``: ``train/wrap.py``; ``hcv.apply``: ``train/inplace.py``).
 
-    wrapped = hcv.wrap(model, schedule)
-    out = wrapped(x); loss = loss_fn(out); loss.backward(); opt.step()   # an ordinary training loop
+Owns the executor, what it learns across steps (:class:`Learned`), one step's op interpreter (``_Step``), the
+autograd Functions that run the ops after ``Loss`` inside the backward, and the schedule checks (grammar, op roles).
+The protocol every executor of an applied schedule keeps, the native form's too, is :class:`StepRunner`.
 
-The forward runs the schedule's ops before ``Loss``; the backward, inside a ``torch.autograd.Function``, runs the ops
-after it. What is kept between ops follows the memory model of docs/design.md §3: ``Fck``/``Fn`` run a stage without
-autograd (keeping / dropping its input), ``Fall`` runs it recording autograd from a detached alias of its input (so
-the graph of one stage is x̄_{i+1}), ``B(i)`` back-propagates that graph and frees it with δ_{i+1} and the checkpoint
-x_i. Consecutive ``Fall``s whose backwards are adjacent share one graph and one backward call, exactly as eager
-PyTorch runs them (store-all costs no more than eager); everything else is freed no later than the model says.
-
-Guarantees (each tested in ``tests/test_wrap*.py``): outputs and gradients equal eager training bitwise on CPU; a
-recomputed stage sees the random numbers of its first run and the global RNG ends where eager's does; buffers
-(BatchNorm statistics) are updated once per stage per step; in-place first ops never corrupt a kept checkpoint;
-parameters get gradients when the input does not require grad; ``eval()`` and ``torch.no_grad()`` run the plain
-model; ``state_dict()`` has the plain model's keys.
+What is kept between ops follows the memory model of docs/design.md §3: ``Fck``/``Fn`` run a stage without autograd
+(keeping / dropping its input), ``Fall`` runs it recording autograd from a detached alias of its input (the graph of
+one stage is x̄_{i+1}), ``B(i)`` back-propagates that graph and frees it with δ_{i+1} and the checkpoint x_i.
+Consecutive ``Fall``s whose backwards are adjacent share one graph and one backward call, as eager PyTorch runs them.
+The guarantees (outputs and gradients equal eager's, RNG replayed, buffers updated once, in-place inputs safe) are
+listed in docs/design.md §5.1, each tested in ``tests/test_wrap*.py``.
 """
+
+# Note: [executor protocol]. An applied schedule drives its executor only through these (StepRunner):
+# - ``length``: the schedule's stage count; ``stages``: the bound ``(name, module)`` stages, None until known;
+# - ``bind(stages)``: run these stages from now on (what was learned about the previous ones is dropped);
+# - ``ensure_stages(x)``: bind the stages traced on the training input ``x`` if none are bound (or, for the executor,
+#   if they were traced in another precision than the one running now);
+# - ``train_step(x)``: one training forward on x_0 = ``x``, returning x_L; the caller's ``backward()`` runs the rest;
+# - ``forget_draws()``: the train/eval modes of submodules changed: relearn which stages draw random numbers.
+# Nothing else of an executor is read from outside it; what it learns across steps stays in it.
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from ..core.chain import Chain
-from ..core.schedule import Schedule
-from ..core.simulate import simulate
-from ..errors import HChainError, InvalidSchedule, NotSequentialError
-from .compiled import check_not_compiled, compile_options, compile_stage, describe
-from .memtrack import (
+from ...core.chain import Chain
+from ...core.regions import stage_count
+from ...core.schedule import Schedule
+from ...core.simulate import simulate
+from ...errors import HChainError, InvalidSchedule, NotSequentialError
+from ..compiled import compile_stage, describe
+from ..memtrack import (
     backward_handing_over,
     cuda_devices,
     flatten,
@@ -43,12 +49,12 @@ from .memtrack import (
     storage_of,
     unflatten,
 )
-from .precision import autocast_now, precision_of, runs_in, uncached, warn_other_precision
-from .precision import describe as describe_precision
-from .stages import buffer_snapshot, find_stages, sequentialize, stage_count
-from .transfer import Link, box_holder, data_holder, storage_key
+from ..precision import autocast_now, precision_of, runs_in, uncached
+from ..precision import describe as describe_precision
+from ..stages import Stage, buffer_snapshot, find_stages, sequentialize
+from ..transfer import Link, box_holder, data_holder, storage_key
 
-__all__ = ["wrap", "ScheduledModule"]
+__all__ = ["Executor", "StepRunner", "Learned", "as_schedule"]
 
 _SPENT = object()  # bookkeeping placeholder: a δ or x̄ already consumed by the backward of its group
 _Op = tuple[str, int, int, bool]  # (kind, stage, role, joins the previous stage's graph)
@@ -59,160 +65,124 @@ _FIRST = 1  # first run of a stage that is replayed later: remember its RNG stat
 _REPLAY = 2  # a recomputation: same RNG as the first run, buffers left as the first run left them
 
 
-def wrap(model: nn.Module, schedule: Schedule | str, *, preserve_rng_state: bool = True,
-         compile: bool | Mapping[str, Any] = False) -> ScheduledModule:
-    """An ``nn.Module`` that trains ``model`` by ``schedule`` (same results as eager, the schedule's memory).
+class StepRunner(Protocol):
+    """What an applied schedule asks of its executor (see Note: [executor protocol]); :class:`Executor` and
+    :class:`~hchain_viz.runtime.train.native.NativeSchedule` keep it."""
 
-    ``schedule`` is a :class:`~hchain_viz.Schedule` (or its text, ``"Fck0 Fn1 Fall2 Loss B2 ..."``) for the chain
-    of stages ``hcv.sequentialize(model)`` finds: typically ``hcv.solve(hcv.profile(model, x)).schedule(budget)``
-    or a baseline from ``hcv.strategies``. ``preserve_rng_state`` (default True) replays recomputed stages with
-    the random numbers of their first run, as ``torch.utils.checkpoint`` does; turn it off only for stages that
-    draw no random numbers, to save the (small) cost of saving RNG states.
+    length: int
+    stages: list[Stage] | None
 
-    ``compile``: ``True`` compiles each stage with ``torch.compile`` (regional compilation, identical layers sharing
-    one graph; see ``runtime/compiled.py``) while the executor around the stages stays eager; a dict gives
-    ``torch.compile`` arguments (e.g. ``{"backend": "aot_eager"}``). Profile with the same setting
-    (``hcv.profile(model, x, compile=True)``) so the schedule is solved for the compiled stages' sizes. The wrapped
-    module itself must not be passed to ``torch.compile`` (an HChainError says to use ``compile=True``).
+    def bind(self, stages: list[Stage]) -> None: ...
 
-    The returned module keeps ``model`` as a submodule but its ``state_dict()`` and ``load_state_dict()`` use the
-    plain model's keys, so checkpoints load either way. In ``eval()`` mode or under ``torch.no_grad()`` it simply
-    calls ``model``.
-    """
-    return ScheduledModule(model, schedule, preserve_rng_state=preserve_rng_state, compile=compile)
+    def ensure_stages(self, x: Any) -> None: ...
+
+    def train_step(self, x: Any) -> Any: ...
+
+    def forget_draws(self) -> None: ...
 
 
-class ScheduledModule(nn.Module):
-    """``model`` trained by ``schedule``; build it with :func:`wrap`.
+class Learned:
+    """What the executor learns about its stages across steps (each None while not known yet).
 
-    Attributes: ``model`` (the plain model), ``schedule``, ``stages`` (the ``(name, module)`` chain, available once
-    known: at construction for structured models, else after the first training call).
+    ``mutates[i]``: stage i writes into its input; ``draws[i]``: its forward draws random numbers (relearned after a
+    mode change); ``grad_mask[i]``: which tensors of x_i need a gradient, learned for the parameters' requires_grad
+    ``grad_mask_for``; ``frees``: what each ``Fall`` (by op number) frees of its input (:class:`_Frees`), learned in
+    one step for the setting ``frees_for``, reading the made storages of the boundaries ``frees_made``.
     """
 
-    def __init__(self, model: nn.Module, schedule: Schedule | str, *, preserve_rng_state: bool = True,
-                 compile: bool | Mapping[str, Any] = False):
-        super().__init__()
-        if isinstance(model, ScheduledModule):
-            raise NotSequentialError("the model is already wrapped by a schedule; wrap its .model instead")
-        if not isinstance(model, nn.Module):
-            raise NotSequentialError(
-                f"wrap() needs an nn.Module, got {type(model).__name__}; put a list of stages into an "
-                f"nn.Sequential first"
-            )
+    def __init__(self, length: int):
+        self.mutates: list[bool | None] = [None] * length
+        self.draws: list[bool | None] = [None] * length
+        self.grad_mask: list[list[bool] | None] = [None] * (length + 1)
+        self.grad_mask_for: tuple[bool, ...] | None = None
+        self.frees: dict[int, _Frees] | None = None
+        self.frees_for: Any = None
+        self.frees_made: set[int] = set()
+
+    def forget_stages(self) -> None:
+        """New stages: which cut tensors need a gradient and what each Fall frees are learned again."""
+        self.grad_mask_for = None
+        self.frees = None
+
+    def forget_draws(self) -> None:
+        self.draws = [None] * len(self.draws)
+
+    def record_frees(self, frees: dict[int, _Frees], setting: Any, made: set[int]) -> None:
+        """What each Fall freed in one whole step, for ``setting``; ``made``: the boundaries whose made storages
+        those frees read."""
+        self.frees, self.frees_for, self.frees_made = frees, setting, made
+
+
+class Executor:
+    """Runs ``schedule``'s ops on the stages of ``model``, one training step per :meth:`train_step`.
+
+    Args:
+        model: the model whose stages run (``find_stages``: found now, or traced at the first training input).
+        schedule: a :class:`~hchain_viz.Schedule` for that many stages (its grammar is checked here).
+        preserve_rng_state: replay recomputed stages with the random numbers of their first run.
+        compile_options: ``torch.compile`` arguments for each stage (``runtime/compiled.py``), or None (eager).
+
+    Raises:
+        InvalidSchedule: the schedule breaks the grammar, or is for another number of stages than the model's.
+    """
+
+    def __init__(self, model: nn.Module, schedule: Schedule, *, preserve_rng_state: bool = True,
+                 compile_options: dict[str, Any] | None = None):
         self.model = model
-        self.schedule = _as_schedule(schedule)
+        self.schedule = schedule
         self.preserve_rng_state = bool(preserve_rng_state)
-        self.compile_options = compile_options(compile)
-        self.length, self._joined = _check_grammar(self.schedule)
-        self._forward_ops, self._backward_ops, self._group_start = _op_roles(self.schedule, self.length, self._joined)
-        self.stages: list[tuple[str, nn.Module]] | None = None
-        self._stage_modules: list[nn.Module] = []
-        self._stage_tensors: list[_LocalTensors] = []  # per stage: its parameters and buffers, read live each step
-        self._runners: list[Any] = []  # what runs stage i: its module, or its compiled version
-        self._stage_buffers: list[list[tuple[nn.Module, str]]] = []
-        self._stats_buffers: list[list[tuple[nn.Module, str]]] = []
-        # Learned across steps: does stage i write into its input (None: not seen yet)? Learned by one probing
-        # forward (_learn_grad_mask): which of its input tensors need a gradient (None: assume every float one)?
-        self._mutates: list[bool | None] = [None] * self.length
-        # Per stage: whether its forward draws random numbers (None: not seen yet; relearned after train()).
-        self._draws: list[bool | None] = [None] * self.length
-        self._grad_mask: list[list[bool] | None] = [None] * (self.length + 1)
-        self._grad_mask_for: tuple[bool, ...] | None = None  # the parameters' requires_grad it was learned for
-        # What each Fall frees of its input, as positions in its flattened input (see _Frees), learned in one step
-        # for the setting in _frees_for (grad mask, autocast); None: learn it in the next step.
-        self._frees: dict[int, _Frees] | None = None
-        self._frees_for: Any = None
-        self._frees_made: set[int] = set()  # the boundaries b whose made storages (see _Step.made) they read
-        self._warned_precisions: set[str] = set()  # the precisions other than the profiled one, warned about
-        stages = find_stages(model, self.schedule)  # None: traced from the first training input
+        self.compile_options = compile_options
+        self.length, self.joined = _check_grammar(schedule)
+        self.forward_ops, self.backward_ops, self.group_start = _op_roles(schedule, self.length, self.joined)
+        self.stages: list[Stage] | None = None
+        self.stage_modules: list[nn.Module] = []
+        self.stage_tensors: list[_LocalTensors] = []  # per stage: its parameters and buffers, read live each step
+        self.runners: list[Any] = []  # what runs stage i: its module, or its compiled version
+        self.stage_buffers: list[list[tuple[nn.Module, str]]] = []
+        self.stats_buffers: list[list[tuple[nn.Module, str]]] = []
+        self.learned = Learned(self.length)
+        stages = find_stages(model, schedule)  # None: traced from the first training input
         if stages is not None:
-            self._set_stages(stages)
-        # Checkpoints carry the plain model's keys (no "model." prefix), in both directions, nested or not.
-        self.register_state_dict_post_hook(_strip_model_prefix)
-        self.register_load_state_dict_pre_hook(_add_model_prefix)
+            self.bind(stages)
 
-    # ------------------------------------------------------------------ stages
-    def _set_stages(self, stages: list[tuple[str, nn.Module]]) -> None:
-        # Plain list attributes: the stage modules are model's own submodules (or parameter-free wrappers of them),
-        # so registering them again would duplicate state_dict keys.
+    # ------------------------------------------------------------------ the protocol
+    def bind(self, stages: list[Stage]) -> None:
+        """Run ``stages`` from now on (the model's own submodules, or parameter-free wrappers of them)."""
         self.stages = list(stages)
-        self._stage_modules = [m for _, m in stages]
-        self._stage_tensors = [_LocalTensors(m) for m in self._stage_modules]
-        self._grad_mask_for = None  # new stages: learn which cut tensors need a gradient again
-        self._frees = None
-        params = [{id(p) for p in m.parameters() if p.requires_grad} for m in self._stage_modules]
-        self._forward_ops, self._backward_ops, self._group_start = _op_roles(self.schedule, self.length, self._joined,
-                                                                            params)
+        self.stage_modules = [m for _, m in stages]
+        self.stage_tensors = [_LocalTensors(m) for m in self.stage_modules]
+        self.learned.forget_stages()
+        params = [{id(p) for p in m.parameters() if p.requires_grad} for m in self.stage_modules]
+        self.forward_ops, self.backward_ops, self.group_start = _op_roles(self.schedule, self.length, self.joined,
+                                                                          params)
         options = self.compile_options
-        self._runners = (self._stage_modules if options is None
-                         else [compile_stage(m, options, len(stages)) for m in self._stage_modules])
-        self._stage_buffers = [
+        self.runners = (self.stage_modules if options is None
+                        else [compile_stage(m, options, len(stages)) for m in self.stage_modules])
+        self.stage_buffers = [
             [(mod, name) for mod in m.modules() for name, b in mod._buffers.items() if b is not None]
-            for m in self._stage_modules
+            for m in self.stage_modules
         ]
         # Normalisation layers update their running statistics inside the kernel, without bumping the version
         # counter that reveals other in-place buffer updates: name them up front.
-        self._stats_buffers = [
+        self.stats_buffers = [
             [(mod, name) for mod in m.modules() if isinstance(mod, _NormBase) and mod.track_running_stats
              for name in ("running_mean", "running_var", "num_batches_tracked") if mod._buffers.get(name) is not None]
-            for m in self._stage_modules
+            for m in self.stage_modules
         ]
 
-    def _ensure_stages(self, x: Any) -> None:
+    def ensure_stages(self, x: Any) -> None:
+        """Bind the stages traced on ``x`` if none are bound, or those of the precision running now."""
         if self.stages is not None:
             if runs_in(self.stages, precision_of(self.model)):
                 return
             self._stages_in_precision(x)
             return
-        self._set_stages(find_stages(self.model, self.schedule, x))
+        self.bind(find_stages(self.model, self.schedule, x))
 
-    def _stages_in_precision(self, x: Any) -> None:
-        """The stages (traced by torch.export in another precision) traced again in the one running now: the same
-        names, at the granularity that gives them."""
-        names = [n for n, _ in self.stages]
-        for granularity in (None, "sublayer", "finest"):
-            stages = sequentialize(self.model, x, granularity=granularity)
-            if [n for n, _ in stages] == names:
-                self._set_stages(stages)
-                return
-        raise NotSequentialError(
-            f"the stages of this {type(self.model).__name__} were traced in another precision and come out "
-            f"differently in {describe_precision(precision_of(self.model))}; wrap the model again inside the "
-            f"precision it trains in")
-
-    def _plain(self, x: Any) -> Any:
-        """The plain model on ``x``, called as its stages were found: a Sequential takes ``x`` itself, any other model
-        the parts of a tuple or dict (``model(*x)``, ``model(**x)``)."""
-        if isinstance(self.model, nn.Sequential):
-            return self.model(x)
-        from .graph import _as_call
-
-        args, kwargs = _as_call(x)
-        return self.model(*args, **kwargs)
-
-    # ------------------------------------------------------------------ running
-    @torch.compiler.disable(recursive=False)  # never traced: the check below must run (see runtime/compiled.py)
-    def forward(self, x: Any) -> Any:
-        """Train by the schedule; in eval mode or without grad, run the plain model."""
-        check_not_compiled()
-        if not (self.training and torch.is_grad_enabled()):
-            return self._plain(x)
-        self._check_precision()
-        return self._train_step(x)
-
-    def _check_precision(self) -> None:
-        """Warn, once per precision, at a step run in another precision than the schedule's profiled one (its
-        ``meta["precision"]``, set by ``hcv.checkpoint``; hcv.apply also reads the chain's)."""
-        profiled = self.schedule.meta.get("precision")
-        now = describe_precision(precision_of(self.model)) if profiled is not None else None
-        if now is not None and now != profiled and now not in self._warned_precisions:
-            self._warned_precisions.add(now)
-            warn_other_precision(now, profiled, stacklevel=4)
-
-    def _train_step(self, x: Any) -> Any:
-        """One training forward by the schedule on x_0 = ``x`` (its backward runs the ops after ``Loss``). Also the
-        path of a model with the schedule applied in place (``runtime/apply.py``): one executor for both forms."""
-        self._ensure_stages(x)
+    def train_step(self, x: Any) -> Any:
+        """One training forward by the schedule on x_0 = ``x``, returning x_L; its backward runs the ops after
+        ``Loss``."""
+        self.ensure_stages(x)
         self._learn_grad_mask(x)
         step = _Step(self, x)
         flat, _ = flatten(x)
@@ -222,48 +192,58 @@ class ScheduledModule(nn.Module):
         outputs = _Output.apply(step, token)
         return unflatten(step.out_spec, list(outputs))
 
+    def forget_draws(self) -> None:
+        """Dropout may come and go with the train/eval mode: learn again which stages draw random numbers."""
+        self.learned.forget_draws()
+
+    def describe(self) -> str:
+        """The schedule and how its stages run, in words (for ``repr``)."""
+        name = self.schedule.meta.get("strategy", "schedule")
+        text = f"schedule={name}: {len(self.schedule)} ops, {self.schedule.n_recomputed} recomputed forwards"
+        return text + (f", compiled stages ({describe(self.compile_options)})" if self.compile_options else "")
+
+    # ------------------------------------------------------------------ learning
+    def _stages_in_precision(self, x: Any) -> None:
+        """The stages (traced by torch.export in another precision) traced again in the one running now: the same
+        names, at the granularity that gives them."""
+        names = [n for n, _ in self.stages]
+        for granularity in (None, "sublayer", "finest"):
+            stages = sequentialize(self.model, x, granularity=granularity)
+            if [n for n, _ in stages] == names:
+                self.bind(stages)
+                return
+        raise NotSequentialError(
+            f"the stages of this {type(self.model).__name__} were traced in another precision and come out "
+            f"differently in {describe_precision(precision_of(self.model))}; wrap the model again inside the "
+            f"precision it trains in")
+
     def _learn_grad_mask(self, x: Any) -> None:
-        """Which tensors of each cut need a gradient (``_grad_mask``), as eager autograd decides: one forward, stage
-        by stage, each graph dropped at once, with buffers, the RNG and the input left as found. Once, and again
-        whenever the parameters that require grad change. A no-grad forward (Fn, Fck) cannot tell, and guessing
+        """Which tensors of each cut need a gradient (``learned.grad_mask``), as eager autograd decides: one forward,
+        stage by stage, each graph dropped at once, with buffers, the RNG and the input left as found. Once, and
+        again whenever the parameters that require grad change. A no-grad forward (Fn, Fck) cannot tell, and guessing
         "every floating-point tensor" computed gradients for attention masks and rotary tables that eager never
         computes (memory the chain does not count)."""
-        params = tuple(p.requires_grad for t in self._stage_tensors for p in t.own_parameters())
-        if self._grad_mask_for == params:
+        learned = self.learned
+        params = tuple(p.requires_grad for t in self.stage_tensors for p in t.own_parameters())
+        if learned.grad_mask_for == params:
             return
-        restore = buffer_snapshot(self._stage_modules)
+        restore = buffer_snapshot(self.stage_modules)
         try:
             with torch.random.fork_rng(devices=cuda_devices(x)), torch.enable_grad():
                 flat, spec = flatten(x)
-                for i, stage in enumerate(self._stage_modules):  # eager: compiled stages would compile again
+                for i, stage in enumerate(self.stage_modules):  # eager: compiled stages would compile again
                     leaves = [t.detach().clone() for t in flat]  # a copy: in-place
                     leaves = [(uncached(t) if autocast_now() else t).requires_grad_(o.requires_grad)
                               for t, o in zip(leaves, flat)]
                     feed = unflatten(spec, [_Alias.apply(t) if t.requires_grad else t for t in leaves])
                     out = stage(feed)
                     flat, spec = flatten(out)
-                    self._grad_mask[i + 1] = [t.requires_grad for t in flat]
+                    learned.grad_mask[i + 1] = [t.requires_grad for t in flat]
                     flat = [t.detach().requires_grad_(t.requires_grad) for t in flat]
                     del feed, leaves, out
         finally:
             restore()
-        self._grad_mask_for = params
-
-    def train(self, mode: bool = True) -> ScheduledModule:
-        super().train(mode)
-        self._forget_draws()
-        for m in self._stage_modules:  # wrappers made by sequentialize (not registered) follow the model's mode
-            m.training = mode
-        return self
-
-    def _forget_draws(self) -> None:
-        """Dropout may come and go with the train/eval mode: learn again which stages draw random numbers."""
-        self._draws = [None] * self.length
-
-    def extra_repr(self) -> str:
-        name = self.schedule.meta.get("strategy", "schedule")
-        text = f"schedule={name}: {len(self.schedule)} ops, {self.schedule.n_recomputed} recomputed forwards"
-        return text + (f", compiled stages ({describe(self.compile_options)})" if self.compile_options else "")
+        learned.grad_mask_for = params
 
 
 # ---------------------------------------------------------------------------------------------- one step
@@ -274,9 +254,10 @@ class _Step:
     autograd graph is x̄_{i+1}; ``delta[i]``: δ_i as a list aligned with the tensors of x_i.
     """
 
-    def __init__(self, module: ScheduledModule, x0: Any):
-        self.m = module
-        self.L = module.length
+    def __init__(self, executor: Executor, x0: Any):
+        self.ex = executor
+        self.known = known = executor.learned  # what the executor learned so far; this step adds to it
+        self.L = executor.length
         self.x: dict[int, Any] = {0: x0}
         self.xbar: dict[int, tuple[list[torch.Tensor | None], Any]] = {}
         self.delta: dict[int, list[torch.Tensor | None]] = {}
@@ -300,26 +281,26 @@ class _Step:
         self.autocast_cache = torch.is_autocast_cache_enabled()
         # The transfer channel (Off/Pre, docs/design.md §9): only for schedules that have transfers.
         self.link = (Link(torch.device("cuda", self.devices[0]) if self.devices else None)
-                     if module.schedule.n_transfers else None)  # (devices are indices)
+                     if executor.schedule.n_transfers else None)  # (devices are indices)
         # Which input tensors each Fall frees depends on what the stages save, fixed by their code, the cuts'
         # structure and the setting. Noting every saved tensor (saved-tensor hooks, see _packing) costs about 9 ms a
-        # step on densenet121 at sub-layer granularity, so it is learned in one step (``learned``), by position in
+        # step on densenet121 at sub-layer granularity, so it is learned in one step (``learning``), by position in
         # the flattened input, and read in the later ones (``frees``). Not in the first step: a stage not seen yet
         # runs Fck on a copy of its input (NOTE [in-place inputs]), so what it hands on looks made by it (and it is
         # relearned if a stage is later seen writing into its input). Storages are still noted as made where a
         # learned free reads them: only what the stage before made is ever freed. With transfers, nothing is noted.
-        self.setting = (module._grad_mask_for, tuple(self.autocast), tuple(module._mutates),
+        self.setting = (known.grad_mask_for, tuple(self.autocast), tuple(known.mutates),
                         tuple((t.shape, t.dtype, t.requires_grad) for t in flatten(x0)[0]))
         noting = self.link is None
-        known = noting and module._frees is not None and module._frees_for == self.setting
-        self.frees: dict[int, _Frees] | None = module._frees if known else None
-        self.learned: dict[int, _Frees] | None = (
-            {} if noting and not known and None not in module._mutates else None)
-        self.hooks = noting and not known  # note what each Fall saves (see _packing)
+        same = noting and known.frees is not None and known.frees_for == self.setting
+        self.frees: dict[int, _Frees] | None = known.frees if same else None
+        self.learning: dict[int, _Frees] | None = (
+            {} if noting and not same and None not in known.mutates else None)
+        self.hooks = noting and not same  # note what each Fall saves (see _packing)
 
     # ------------------------------------------------------------------ phases
     def run_forward(self) -> None:
-        for n, (kind, i, role, joined) in enumerate(self.m._forward_ops):
+        for n, (kind, i, role, joined) in enumerate(self.ex.forward_ops):
             if kind in ("Off", "Pre"):
                 self._transfer(kind, i)
             else:
@@ -328,19 +309,19 @@ class _Step:
     def run_backward(self) -> list[torch.Tensor | None]:
         if self.L not in self.delta:
             raise HChainError("the wrapped model's backward ran twice for one forward; call the model again first")
-        first = len(self.m._forward_ops)
-        for n, (kind, i, role, joined) in enumerate(self.m._backward_ops, first):
+        first = len(self.ex.forward_ops)
+        for n, (kind, i, role, joined) in enumerate(self.ex.backward_ops, first):
             if kind in ("Off", "Pre"):
                 self._transfer(kind, i)
             elif kind == "B":
                 self._backward_op(i)
             else:
                 self._forward_op(n, kind, i, role, joined, in_backward=True)
-        if self.learned is not None:  # a whole step: what each Fall frees is known for this setting
-            ops = [*self.m._forward_ops, *self.m._backward_ops]  # numbered as run_forward and run_backward do
-            self.m._frees_made = ({ops[n][1] for n, f in self.learned.items() if f.transit or f.consumed}
-                                  | {ops[n][1] - 1 for n, f in self.learned.items() if f.eaten})
-            self.m._frees, self.m._frees_for = self.learned, self.setting
+        if self.learning is not None:  # a whole step: what each Fall frees is known for this setting
+            ops = [*self.ex.forward_ops, *self.ex.backward_ops]  # numbered as run_forward and run_backward do
+            made = ({ops[n][1] for n, f in self.learning.items() if f.transit or f.consumed}
+                    | {ops[n][1] - 1 for n, f in self.learning.items() if f.eaten})
+            self.known.record_frees(self.learning, self.setting, made)
         return self.delta.pop(0)
 
     def take_output(self) -> list[torch.Tensor]:
@@ -371,7 +352,7 @@ class _Step:
         """The tensors of x̄_{i+1}: what Fall(i) saved and its output x_{i+1}, with the later tensors that alias
         them, minus what stays resident anyway (input, parameters, buffers, the caller's output)."""
         leaves, out = self.xbar[i]
-        stage = self.m._stage_modules[i]
+        stage = self.ex.stage_modules[i]
         inputs = leaves if leaves is not None else flatten(self._input(i))[0]
         resident = {storage_key(t) for t in [*inputs, *stage.parameters(), *stage.buffers()] if t is not None}
         boxes = [b for b in self.link.boxes.get(i, []) if storage_key(b.t) not in resident]
@@ -386,8 +367,7 @@ class _Step:
 
     def _forward_op(self, n: int, kind: str, i: int, role: int, joined: bool, *, in_backward: bool) -> None:
         """Forward op number ``n`` of the step (its place in the schedule, before or after Loss)."""
-        m = self.m
-        stage = m._runners[i]
+        stage = self.ex.runners[i]
         if self.link is not None:
             self.link.wait_for((i - 1, i))  # a prefetch of its input must have arrived
         x_in = self._input(i)
@@ -406,7 +386,7 @@ class _Step:
                 leaves = [self._leaf(t, i, k) for k, t in enumerate(flat)]
                 # An in-place first op on a leaf that requires grad would raise; an alias node in front makes it
                 # legal (and is dropped once the stage is seen not to write into its input).
-                alias = m._mutates[i] is not False
+                alias = self.known.mutates[i] is not False
                 versions = [t._version for t in leaves]
                 with self._mode(grad=True, in_backward=in_backward), self._packing(i):
                     feed = unflatten(spec, [_Alias.apply(t) if alias and t.requires_grad else t for t in leaves])
@@ -415,20 +395,20 @@ class _Step:
                 self._learn_mutation(i, leaves, versions)
                 self.xbar[i] = (leaves, out)
             if self.frees is not None:
-                if i + 1 in self.m._frees_made:
+                if i + 1 in self.known.frees_made:
                     self._note_made(i, [storage_key(t) for t in flat], pointers(flatten(out)[0]))
                 self._free_known(self.frees[n], i, flat, joined)
             elif self.link is None:  # with transfers, no storage is noted (see _packing)
                 in_keys, out_keys = [storage_key(t) for t in flat], pointers(flatten(out)[0])
                 self._note_made(i, in_keys, out_keys)
                 transit = self._free_transit(i, flat, in_keys, out_keys, in_xbar, joined)
-                if self.learned is not None:
-                    self.learned[n] = _Frees.at(in_keys, transit, self.consumed.get(i, ()), self.eaten.get(i, ()))
+                if self.learning is not None:
+                    self.learning[n] = _Frees.at(in_keys, transit, self.consumed.get(i, ()), self.eaten.get(i, ()))
             return
         # NOTE [in-place inputs]: Fck keeps x_i for a later forward of stage i. A stage seen writing into its input
         # runs on a copy, so the kept checkpoint is never corrupted; so does a stage not seen yet (the first step
         # only: what each stage does is learned from its input's version counter).
-        protect = kind == "Fck" and m._mutates[i] is not False
+        protect = kind == "Fck" and self.known.mutates[i] is not False
         feed = unflatten(spec, [t.detach().clone() for t in flat]) if protect else x_in
         fed = flatten(feed)[0] if protect else flat
         versions = [t._version for t in fed]
@@ -436,7 +416,7 @@ class _Step:
             out = self._call(stage, feed, i, role)
         self._learn_mutation(i, fed, versions)
         del feed, fed
-        if self.link is None and (self.frees is None or i + 1 in self.m._frees_made):
+        if self.link is None and (self.frees is None or i + 1 in self.known.frees_made):
             self._note_made(i, [storage_key(t) for t in flat], pointers(flatten(out)[0]))
         if kind == "Fn":
             # NOTE [memory model]: Fn frees its input x_i right after the op (docs/design.md §3).
@@ -466,7 +446,7 @@ class _Step:
     def _note_made(self, i: int, in_keys: list[int | None], out_keys: set[int]) -> None:
         """Remember which storages of x_{i+1} the forward of stage i made (not handed on from its input)."""
         if i + 1 < self.L:
-            self.made[i + 1] = made_storages(set(in_keys), out_keys, self.m._stage_tensors[i])
+            self.made[i + 1] = made_storages(set(in_keys), out_keys, self.ex.stage_tensors[i])
 
     def _free_transit(self, i: int, inputs: list[torch.Tensor], in_keys: list[int | None], out_keys: set[int],
                       in_xbar: bool, joined: bool) -> set[int]:
@@ -524,7 +504,7 @@ class _Step:
         # the backward (a _Root node hands δ_{i+1} over), so autograd frees them as soon as it is done with them, as
         # in eager mode; the graph goes with them, and the checkpoint x_i right after. Stages k..i joined into one
         # graph are back-propagated at once by B(i); B(i-1) .. B(k) then only settle the bookkeeping, in order.
-        k = self.m._group_start[i]
+        k = self.ex.group_start[i]
         if self.link is not None:
             self.link.wait_for((i - 1, i))  # x̄_{i+1} and x_i, if prefetched
             self.link.boxes.pop(i, None)
@@ -578,7 +558,7 @@ class _Step:
     def _hook_eaten(self, i: int, keys: set[int], joined: bool) -> None:
         """When stage i-1 heads the joined graph of B(i): free its input leaves among ``keys`` once their gradient
         is ready (see _note_eaten)."""
-        if joined and self.m._group_start[i] == i - 1 and self.xbar[i - 1][0] is not None:
+        if joined and self.ex.group_start[i] == i - 1 and self.xbar[i - 1][0] is not None:
             for leaf in self.xbar[i - 1][0]:
                 if leaf is not None and leaf.requires_grad and storage_key(leaf) in keys:
                     leaf.register_hook(partial(_release, storage_of(leaf)))
@@ -591,32 +571,32 @@ class _Step:
         elif i == 0 or not (t.is_floating_point() or t.is_complex()):
             need = False  # x_0 as the caller gave it; integer tensors carry no gradient
         else:
-            mask = self.m._grad_mask[i]
+            mask = self.known.grad_mask[i]
             need = mask[k] if mask is not None and k < len(mask) else True
         return leaf.requires_grad_() if need else leaf
 
     def _learn_mutation(self, i: int, inputs: list[torch.Tensor], versions: list[int]) -> None:
-        if self.m._mutates[i] is not True:  # once seen writing, always treated so
-            self.m._mutates[i] = [t._version for t in inputs] != versions
+        if self.known.mutates[i] is not True:  # once seen writing, always treated so
+            self.known.mutates[i] = [t._version for t in inputs] != versions
 
     def _call(self, stage: nn.Module, feed: Any, i: int, role: int) -> Any:
         if role == _ONLY:
             return stage(feed)
         if role == _FIRST:
-            draws = self.m._draws[i]
-            rng = self._rng_state() if self.m.preserve_rng_state and draws is not False else None
-            buffers = self.m._stage_buffers[i]
+            draws = self.known.draws[i]
+            rng = self._rng_state() if self.ex.preserve_rng_state and draws is not False else None
+            buffers = self.ex.stage_buffers[i]
             before = [mod._buffers[name] for mod, name in buffers]
             versions = [b._version for b in before]
             out = stage(feed)
             if rng is not None:
                 if draws is None:  # learned once: a CPU generator state is 5 KB that the memory model does not count
-                    draws = self.m._draws[i] = not _same_state(rng, self._rng_state())
+                    draws = self.known.draws[i] = not _same_state(rng, self._rng_state())
                 if draws:
                     self.rng[i] = rng  # its replays draw the same random numbers
             updated = [(mod, name) for (mod, name), b, v in zip(buffers, before, versions)
                        if mod._buffers[name] is not b or b._version != v]
-            self.updated_buffers[i] = list(dict.fromkeys(updated + self.m._stats_buffers[i]))
+            self.updated_buffers[i] = list(dict.fromkeys(updated + self.ex.stats_buffers[i]))
             return out
         with self._replaying(i):
             return stage(feed)
@@ -681,10 +661,10 @@ class _LocalTensors:
     """A stage's parameters and buffers as plain tensors: a sharded one (FSDP2's DTensor, once the stage has
     resharded after its forward) by its local shard, whose storage is real; the DTensor itself has none.
 
-    The stage's modules are listed once (as ``_stage_buffers`` are: a stage's structure is fixed when its stages are
-    set); their tensors are read live at each call, so a parameter sharded, moved or replaced later is seen. Walking
-    ``module.parameters()`` instead cost about 0.1 ms per step on a small GPT-2, several times per step. A tensor
-    two modules share is listed twice; callers collect them into sets."""
+    The stage's modules are listed once (as ``Executor.stage_buffers`` are: a stage's structure is fixed when its
+    stages are bound); their tensors are read live at each call, so a parameter sharded, moved or replaced later is
+    seen (walking ``module.parameters()`` at each call costs more, several times per step). A tensor two modules
+    share is listed twice; callers collect them into sets."""
 
     def __init__(self, module: nn.Module):
         self.owners = list(module.modules())
@@ -812,7 +792,7 @@ class _Alias(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------- schedule checks
-def _as_schedule(schedule: Any) -> Schedule:
+def as_schedule(schedule: Any) -> Schedule:
     if isinstance(schedule, Schedule):
         return schedule
     if isinstance(schedule, str):
@@ -861,27 +841,3 @@ def _op_roles(schedule: Schedule, L: int, joined: frozenset[int],
         ops.append((op.kind, op.stage, role, op.kind == "Fall" and op.stage in joined_stages))
     k = next(n for n, op in enumerate(ops) if op[0] == "Loss")
     return ops[:k], ops[k + 1:], group_start
-
-
-# ---------------------------------------------------------------------------------------------- state_dict keys
-_PREFIX = "model."
-
-
-def _strip_model_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    inner = prefix + _PREFIX
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
-    for key in [k for k in getattr(state_dict, "_metadata", {}) if k.startswith(inner) or k == prefix + "model"]:
-        tail = key[len(inner):] if key.startswith(inner) else ""
-        state_dict._metadata[prefix + tail if tail else prefix.rstrip(".")] = state_dict._metadata.pop(key)
-
-
-def _add_model_prefix(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    # Every key under this module belongs to the plain model (the wrapper has no state of its own).
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        state_dict[prefix + _PREFIX + key[len(prefix):]] = state_dict.pop(key)
-    metadata = getattr(state_dict, "_metadata", None)  # per-module versions (BatchNorm reads its own)
-    if metadata is not None:
-        own = prefix[:-1]
-        for key in [k for k in metadata if k == own or k.startswith(prefix)]:
-            metadata.setdefault(prefix + "model" + (f".{key[len(prefix):]}" if key != own else ""), metadata[key])
