@@ -459,3 +459,40 @@ def test_checkpoint_native_with_room_for_store_all_and_its_held_gradients_recomp
     model, x, loss_fn = demo_model("resnet_chain", batch=2, image=16, width=8, blocks=(1, 2))
     hcv.checkpoint(model, x, budget="1MiB", loss_fn=loss_fn, native=True, progress=False, verbose=False)
     assert vars(model)["_hcv_applied"].schedule.n_recomputed == 0
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["executor", "native"])
+def test_apply_drives_its_executor_only_through_the_written_protocol(monkeypatch, native):
+    """The applied state uses nothing of an executor but the protocol (runtime/train/executor.py, Note: [executor
+    protocol]): an executor that lets it read nothing else trains the model like eager, a mode change included."""
+    from hchain_viz.runtime.train import inplace
+    from hchain_viz.runtime.train.executor import StepRunner
+
+    protocol = set(StepRunner.__annotations__) | {n for n in vars(StepRunner) if not n.startswith("_")}
+    assert protocol == {"length", "stages", "bind", "ensure_stages", "train_step", "forget_draws"}
+    used: set[str] = set()
+
+    class OnlyProtocol:
+        def __init__(self, inner):
+            self.__dict__["inner"] = inner
+
+        def __getattr__(self, name):
+            assert name in protocol, f"the applied state read {name!r} of its executor"
+            used.add(name)
+            return getattr(self.__dict__["inner"], name)
+
+        def __setattr__(self, name, value):
+            raise AssertionError(f"the applied state set {name!r} of its executor")
+
+    name = "NativeSchedule" if native else "Executor"
+    real = getattr(inplace, name)
+    monkeypatch.setattr(inplace, name, lambda *args, **kwargs: OnlyProtocol(real(*args, **kwargs)))
+    model, x, y = _model()
+    twin = copy.deepcopy(model)
+    hcv.apply(model, SCHEDULES["optimal_mid"], native=native)
+    for step in range(3):
+        if step == 2:  # dropout off in one submodule: the executor forgets which stages draw
+            model[3].eval(), twin[3].eval()
+        (loss_a, rng_a), (loss_e, rng_e) = _step(model, x, y), _step(twin, x, y)
+        assert torch.equal(loss_a, loss_e) and torch.equal(rng_a, rng_e)
+    assert {"stages", "train_step", "forget_draws"} <= used

@@ -423,7 +423,7 @@ class _StageProfile:
         self.name, self.stage, self.module, self.h, self.dev, self.loss_fn = name, stage, module, h, dev, loss_fn
         self.candidates_in, self.through_in = candidates_in, through_in
         self.in_bytes = nbytes(h)
-        self.writes_input: bool | None = None  # learned by the probe, as the executor learns it (wrap._mutates)
+        self.writes_input: bool | None = None  # learned by the probe, as the executor learns it (Learned.mutates)
 
     def _input(self) -> Any:
         """A copy of the input, as a stage inside the chain receives it: laid out as in the chain (views of one
