@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 import weakref
 from typing import Any
 
@@ -42,6 +43,10 @@ class GraphStage(nn.Module):
         self.tag = ""  # "attn_core" on the stages of the core attention
         # The model, whose train/eval mode we compare with: weakly held (the extraction cache is keyed by it).
         object.__setattr__(self, "_probe", weakref.ref(probe) if probe is not None else None)
+        # FSDP2 modules below the model whose parameters the stage reads (see _nested_sharded), for the class of
+        # model they were found for
+        self._sharded: list[nn.Module] = []
+        self._sharded_for: type | None = None
 
     def forward(self, x: Any) -> Any:
         probe = self._probe() if self._probe is not None else None
@@ -57,6 +62,11 @@ class GraphStage(nn.Module):
                 f"stage {self.stage_name!r} was traced with torch.export in {describe(self.precision)}, which fixes "
                 f"its dtype casts; it now runs in {describe(now)}. Extract the stages again in this precision "
                 f"(hcv.apply and hcv.wrap do so by themselves at the first training step in it)")
+        if probe is not None and self._sharded_for is not type(probe) and not torch.compiler.is_compiling():
+            # found again when the model's class changes, as fully_shard(model) changes it
+            self._sharded, self._sharded_for = _nested_sharded(probe, self.gm), type(probe)
+        for m in self._sharded:
+            m.unshard()  # a no-op once gathered
         out = self.gm(x)
         if self._out_spec is not None:
             out = pytree.tree_unflatten(list(out), self._out_spec)
@@ -69,6 +79,22 @@ class GraphStage(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.stage_name!r}, method={self.method!r}"
+
+
+def _nested_sharded(model: nn.Module, gm: fx.GraphModule) -> list[nn.Module]:
+    """The FSDP2 (``fully_shard``) modules strictly below ``model`` that hold modules the stage reads.
+
+    FSDP2 gathers a module's parameters in its forward pre-hook, which never fires for them: the stage runs their
+    ops, not their forward. So the stage gathers them itself (``unshard()``, a no-op once gathered); they stay
+    gathered until the backward ends, where the root's final callback reduce-scatters their gradients and reshards
+    them (FSDP2 runs the post-backward of every group its backward hooks did not reach). The root's own parameters
+    are gathered by its hooks, around the training call."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded by it
+    if fsdp is None or not isinstance(model, fsdp.FSDPModule):
+        return []
+    read = {id(m) for m in gm.modules()}
+    return [m for m in model.modules() if m is not model and isinstance(m, fsdp.FSDPModule)
+            and any(id(s) in read for s in m.modules())]
 
 
 class _Building:

@@ -12,7 +12,7 @@ from torch import nn
 from ...errors import NotSequentialError
 from ..precision import precision_of
 from .plan import _NoCut, _Plan
-from .tracing import _route_root_buffers, _trace_export, _trace_fx
+from .tracing import _route_root_buffers, _sharding_hooks_off, _trace_export, _trace_fx
 from .verify import _verify
 
 # The latest extraction per model, granularity and precision (None: stages that run in any, traced by torch.fx), for
@@ -54,16 +54,17 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
     failures: list[str] = []
     for method, tracer in (("torch.fx", _trace_fx), ("torch.export", _trace_export)):
         try:
-            traced = _route_root_buffers(tracer(model, args, kwargs, single), model)
-            plan = _Plan.make(traced, model, sample_input, timed=isinstance(mode, int))
-            segments = plan.segments(mode)
-            names = plan.names(segments, mode)
-            if len(set(names)) != len(names):  # names key chains, schedules and figures: never ambiguous
-                raise AssertionError(f"repeated stage names {sorted({n for n in names if names.count(n) > 1})}")
-            stages = [(name, plan.build_stage(a, b, name)) for (a, b), name in zip(segments, names)]
-            for (_, stage), group, tag in zip(stages, plan.groups, plan.tags):
-                stage.group, stage.tag = group, tag
-            _verify(model, sample_input, args, kwargs, stages)
+            with _sharding_hooks_off(model):  # FSDP2's gathered parameters stay in place (tracing.py)
+                traced = _route_root_buffers(tracer(model, args, kwargs, single), model)
+                plan = _Plan.make(traced, model, sample_input, timed=isinstance(mode, int))
+                segments = plan.segments(mode)
+                names = plan.names(segments, mode)
+                if len(set(names)) != len(names):  # names key chains, schedules and figures: never ambiguous
+                    raise AssertionError(f"repeated stage names {sorted({n for n in names if names.count(n) > 1})}")
+                stages = [(name, plan.build_stage(a, b, name)) for (a, b), name in zip(segments, names)]
+                for (_, stage), group, tag in zip(stages, plan.groups, plan.tags):
+                    stage.group, stage.tag = group, tag
+                _verify(model, sample_input, args, kwargs, stages)
         except _NoCut as exc:
             failures.append(f"{method}: {exc}")
             continue

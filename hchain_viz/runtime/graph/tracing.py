@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import operator
+import sys
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -60,6 +62,37 @@ class _InPlaceProxy(fx.Proxy):
 
     def __iadd__(self, other: object) -> fx.Proxy:
         return self.tracer.create_proxy("call_function", operator.iadd, (self, other), {})
+
+
+@contextmanager
+def _sharding_hooks_off(model: nn.Module) -> Iterator[None]:
+    """The model's own forward without FSDP2's forward hooks, while its stages are traced and checked.
+
+    An applied schedule traces its stages inside the training call, where FSDP2's root pre-forward hook has already
+    put the gathered (``param_dtype``) parameters in place. Fired again inside ``torch.export``, the hooks would
+    all-gather under fake tensors and mark the root's forward as ended midway. Nested FSDP2 modules (one per layer)
+    are gathered here instead, as :class:`~.build.GraphStage` gathers them at each call."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded by it
+    sharded = [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)] if fsdp is not None else []
+    if not sharded:
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    def theirs(hook: Any) -> bool:  # FSDP2 registers bound methods of its per-module state
+        return isinstance(getattr(hook, "__self__", None), FSDPState)
+
+    kept = [(m, m._forward_pre_hooks, m._forward_hooks) for m in sharded]
+    for m, pre, post in kept:  # filtered copies; the dicts themselves are put back as they were
+        m.__dict__["_forward_pre_hooks"] = OrderedDict((k, h) for k, h in pre.items() if not theirs(h))
+        m.__dict__["_forward_hooks"] = OrderedDict((k, h) for k, h in post.items() if not theirs(h))
+    for m in sharded:  # nested ones (per layer) are not gathered by the root's hook: gathered here, as the stages do
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m, pre, post in kept:
+            m.__dict__["_forward_pre_hooks"], m.__dict__["_forward_hooks"] = pre, post
 
 
 def _accessor(x: fx.Node, keys: tuple, graph: fx.Graph) -> fx.Node:
