@@ -74,6 +74,14 @@ _BOTTOM_SHARE = (0.2, 4.0)
 _LONG = 300
 _BOTTOM_BYTES = 128 * 2**20
 _MIN_BOTTOM_SLOTS = 8
+# Between the bottom table and the whole range, the ladder: tables spanning twice the bottom's, then doubling while
+# below 2/3 of the whole range, each of _LADDER_SHARE of the whole table's slots. A table answers budgets near its top
+# best (a schedule holds many items, each rounded to a slot), so each budget finds one at most twice its size; the
+# whole range alone left random chains of 200 stages 3.9% behind a 4000-slot table at twice the least budget
+# (docs/benchmarks.md). Only while the work of all tables (slots x L^3) stays within _LADDER_WORK, the work of
+# L = 500 without a ladder: the build time of long chains stays as it was.
+_LADDER_SHARE = (1, 4)
+_LADDER_WORK = 350 * 500**3
 # The whole-range table rounds a charge down when it exceeds whole slots by at most a fifth of a slot: its budgets
 # are then nearer the truth on average (the exact peaks decide what fits). Measured in docs/benchmarks.md.
 _ROUND_DOWN = (1, 5)
@@ -1280,6 +1288,17 @@ def store_all_peak(chain: Chain) -> int:
     return peak_and_makespan(chain, store_all(chain))[0]
 
 
+def _ladder(L: int, bottom: int, top: int, whole: int, slots: int) -> list[tuple[int, int]]:
+    """``(span, slots)`` of the ladder's tables between a bottom table spanning ``bottom`` bytes and the whole range
+    ``top``, given ``slots`` in the other tables (see _LADDER_SHARE)."""
+    n = max(_MIN_BOTTOM_SLOTS, whole * _LADDER_SHARE[0] // _LADDER_SHARE[1])
+    spans, span = [], 2 * bottom
+    while 3 * span < 2 * top and (slots + n * (len(spans) + 1)) * L**3 <= _LADDER_WORK:
+        spans.append(span)
+        span *= 2
+    return [(s, n) for s in spans]
+
+
 def least_budget(chain: Chain) -> int:
     """The least budget (bytes, exact) within which any schedule of ``chain`` fits."""
     z = dp_sizes(chain)
@@ -1343,6 +1362,8 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
         whole = min(int(slots / 2 * min(_BOTTOM_SHARE[1], max(1.0, cheap))), most)
         fine = min(int(slots * min(_BOTTOM_SHARE[1], max(_BOTTOM_SHARE[0], cheap / 2))), most)
         tables = [_build_table(chain, max_budget, whole, _ROUND_DOWN, threads, single_level),
+                  *[_build_table(chain, span, n, _ROUND_DOWN, threads, single_level)
+                    for span, n in _ladder(L, bottom, max_budget, whole, whole + fine)],
                   _build_table(chain, bottom, fine, _BOTTOM_ROUND, threads, single_level)]
     if not single_level and least.max_budget <= max_budget:  # (that schedule may nest regions)
         tables.append(least)

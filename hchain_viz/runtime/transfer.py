@@ -68,13 +68,15 @@ class Link:
         self.off_done: dict[int, torch.cuda.Event] = {}
         self.ready: dict[int, torch.cuda.Event] = {}
 
-    def hooks(self, i: int) -> torch.autograd.graph.saved_tensors_hooks:
-        """Pack the tensors that the recording forward of stage i saves into boxes (``boxes[i]``)."""
+    def hooks(self, i: int, stand_in: Callable[[torch.Tensor], torch.Tensor] | None = None
+              ) -> torch.autograd.graph.saved_tensors_hooks:
+        """Pack the tensors that the recording forward of stage i saves into boxes (``boxes[i]``), each first
+        mapped by ``stand_in`` if given."""
         boxes: list[Box] = []
         self.boxes[i] = boxes
 
         def pack(t: torch.Tensor) -> Box:
-            b = Box(t)
+            b = Box(stand_in(t) if stand_in is not None else t)
             boxes.append(b)
             return b
 

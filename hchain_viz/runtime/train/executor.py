@@ -263,6 +263,7 @@ class _Step:
         self.delta: dict[int, list[torch.Tensor | None]] = {}
         self.rng: dict[int, tuple[bytes, list[bytes]]] = {}  # per replayed stage that draws: its RNG state
         self.updated_buffers: dict[int, list[tuple[nn.Module, str]]] = {}
+        self.stand_ins: dict[int, torch.Tensor] = {}  # a replay's buffer copies (by storage) -> the originals
         self.out: Any = None
         self.out_spec: Any = None
         self.group_delta: list[torch.Tensor | None] = []  # δ_k of the group being back-propagated
@@ -378,7 +379,7 @@ class _Step:
                 # Fall(i) on the output of Fall(i-1), and B(i-1) will directly follow B(i): stage i extends the
                 # graph of stage i-1 (no detached input), and one autograd backward serves both, as in eager mode.
                 versions = [t._version for t in flat]
-                with self._mode(grad=True, in_backward=in_backward), self._packing(i):
+                with self._mode(grad=True, in_backward=in_backward), self._packing(i, role):
                     out = self._call(stage, x_in, i, role)
                 self._learn_mutation(i, flat, versions)
                 self.xbar[i] = (None, out)
@@ -388,7 +389,7 @@ class _Step:
                 # legal (and is dropped once the stage is seen not to write into its input).
                 alias = self.known.mutates[i] is not False
                 versions = [t._version for t in leaves]
-                with self._mode(grad=True, in_backward=in_backward), self._packing(i):
+                with self._mode(grad=True, in_backward=in_backward), self._packing(i, role):
                     feed = unflatten(spec, [_Alias.apply(t) if alias and t.requires_grad else t for t in leaves])
                     out = self._call(stage, feed, i, role)
                 del feed
@@ -426,22 +427,31 @@ class _Step:
         else:
             self.x[i + 1] = out
 
-    def _packing(self, i: int) -> contextlib.AbstractContextManager:
+    def _packing(self, i: int, role: int) -> contextlib.AbstractContextManager:
         """With transfers, the saved tensors of a recording forward go into boxes that Off/Pre can move; without,
-        their storages are noted while learning what each Fall frees (see _free_transit)."""
+        their storages are noted while learning what each Fall frees (see _free_transit). A replay saves the
+        buffers it updates as the originals, not as its stand-in copies (see _replaying)."""
+        stand_in = self._original if role == _REPLAY and self.updated_buffers.get(i) else None
         if self.link is not None:
-            return self.link.hooks(i)
-        if not self.hooks:
+            return self.link.hooks(i, stand_in)
+        if not self.hooks and stand_in is None:
             return contextlib.nullcontext()
-        saved = self.saved[i] = set()
+        saved = self.saved[i] = set() if self.hooks else None
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            key = storage_key(t)
+            if stand_in is not None:
+                t = stand_in(t)
+            key = storage_key(t) if saved is not None else None
             if key is not None:
                 saved.add(key)
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+
+    def _original(self, t: torch.Tensor) -> torch.Tensor:
+        """The buffer that ``t`` stands in for during a replay, or ``t``."""
+        original = self.stand_ins.get(storage_key(t))
+        return original if original is not None and original.shape == t.shape else t
 
     def _note_made(self, i: int, in_keys: list[int | None], out_keys: set[int]) -> None:
         """Remember which storages of x_{i+1} the forward of stage i made (not handed on from its input)."""
@@ -617,7 +627,11 @@ class _Step:
         try:
             for mod, name in self.updated_buffers.get(i, ()):
                 original = mod._buffers[name]
-                mod._buffers[name] = original.clone()
+                mod._buffers[name] = copy = original.clone()
+                # Saved for the backward as the original (see _packing): a batch norm saves its running statistics,
+                # and the copies would stay until B(i), beyond what the stage holds in its first run. In training
+                # mode its backward never reads them.
+                self.stand_ins[storage_key(copy)] = original
                 swapped.append((mod, name, original))
             if i in self.rng:
                 # Forked by hand, the state kept as bytes: torch.random.fork_rng would hold a 5 KB tensor through the
@@ -632,6 +646,7 @@ class _Step:
                 yield
         finally:
             for mod, name, original in swapped:
+                self.stand_ins.pop(storage_key(mod._buffers[name]), None)
                 mod._buffers[name] = original
 
     def _set_rng_state(self, state: tuple[bytes, list[bytes]]) -> None:
