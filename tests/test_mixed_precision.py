@@ -342,59 +342,103 @@ def test_fsdp2_with_bf16_parameters_trains_like_the_plain_model_gloo_two_process
         assert _bitwise(wa, wp)
 
 
+_SHARDINGS = ("layers and root", "root only")
+
+
 @gloo_rank
-def _fsdp_llama_worker(rank: int, world: int, out_dir: str, schedule_json: str) -> None:
+def _fsdp_hf_worker(rank: int, world: int, out_dir: str, name: str, schedule_json: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh("cpu", (world,))
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
-    said = {}
-    for when in ("sharded first", "applied first"):
-        model, batch = _model("llama")
-        batch = {k: v.chunk(world)[rank] for k, v in batch.items()}
-        schedule = hcv.Schedule.from_json(schedule_json)
-        try:
-            if when == "applied first":
-                hcv.apply(model, schedule)
-            for layer in model.model.layers:
+
+    def sharded(layers: bool, applied_first: bool = False) -> tuple[nn.Module, dict]:
+        model, batch = _model(name)
+        if applied_first:
+            hcv.apply(model, hcv.Schedule.from_json(schedule_json))
+        if layers:
+            for layer in model.model.layers if name == "llama" else model.transformer.h:
                 fully_shard(layer, mesh=mesh, mp_policy=policy)
-            fully_shard(model, mesh=mesh, mp_policy=policy)
-            if when == "sharded first":
-                hcv.apply(model, schedule)
-            model(**batch).loss.backward()
-            said[when] = None
-        except hcv.HChainError as e:
-            said[when] = (type(e).__name__, str(e))
-    model, batch = _model("llama")  # the same model sharded without a schedule trains in the policy's bfloat16
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    out = model(**{k: v.chunk(world)[rank] for k, v in batch.items()})
-    out.loss.backward()
-    said["plain"] = (out.logits.dtype, bool(torch.isfinite(out.loss)))
-    torch.save(said, os.path.join(out_dir, f"rank{rank}.pt"))
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model, {k: v.chunk(world)[rank] for k, v in batch.items()}
+
+    record = {}
+    for sharding in _SHARDINGS:
+        for label in ("plain", "applied"):
+            model, batch = sharded(sharding == "layers and root")
+            if label == "applied":  # sharded first, then applied
+                hcv.apply(model, hcv.Schedule.from_json(schedule_json))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            steps = []
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", PrecisionWarning)
+                for step in range(2):
+                    torch.manual_seed(step)  # dropout (GPT-2) draws alike on both ranks and in both runs
+                    out = model(**batch)
+                    out.loss.backward()
+                    # after the backward every parameter is resharded, its gradient reduce-scattered
+                    resharded = all(isinstance(p, DTensor) and isinstance(p.grad, DTensor)
+                                    for p in model.parameters())
+                    grads = [p.grad.full_tensor().clone() for p in model.parameters()]
+                    opt.step()
+                    opt.zero_grad()
+                    steps.append((out.loss.detach(), out.logits.dtype, grads, resharded))
+            record[sharding, label] = steps
+            record[sharding, label, "warned"] = [str(w.message) for w in caught
+                                                 if issubclass(w.category, PrecisionWarning)]
+    refused = {}
+    try:  # applied, then sharded: the stages would read parameters FSDP2 replaced
+        model, batch = sharded(True, applied_first=True)
+        model(**batch).loss.backward()
+    except hcv.HChainError as e:
+        refused["applied first"] = (type(e).__name__, str(e))
+    model, batch = _model(name)
+    for layer in model.model.layers if name == "llama" else model.transformer.h:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    try:  # the layers sharded, not the model: no FSDP2 hook would gather or reduce-scatter around the stages
+        hcv.apply(model, hcv.Schedule.from_json(schedule_json))
+    except hcv.HChainError as e:
+        refused["layers only"] = (type(e).__name__, str(e))
+    record["refused"] = refused
+    torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.slow
-def test_fsdp2_on_a_hugging_face_model_is_refused_plainly_gloo_two_processes(tmp_path):
-    """An HF model's stages are traced (torch.export), and traced stages keep the parameters they were traced with,
-    while FSDP2 swaps in gathered (here bfloat16) copies around each forward: sharded, then applied, is refused at
-    ``apply``; applied, then sharded, at the first training call. Neither trains silently on stale parameters."""
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_fsdp2_bf16_on_a_hugging_face_model_trains_like_the_plain_sharded_model_gloo_two_processes(name, tmp_path):
+    """fully_shard (per layer and the model, or the model only) with MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32), then hcv.apply: the traced stages read the parameters FSDP2 gathers, in bfloat16; the
+    losses and the gathered gradients are those of the same sharded model without a schedule, bitwise (GPT-2's
+    tied embedding and dropout included), and every parameter is resharded after the backward. Applied before
+    fully_shard, or the layers sharded without the model, is refused plainly."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
     if not dist.is_available():
         pytest.skip("torch.distributed missing")
-    model, batch = _model("llama")
+    model, batch = _model(name)
     schedule = _apply_schedule(model.to(BF16), {k: v.chunk(2)[0] for k, v in batch.items()}).__dict__[
-        "_hcv_applied"].schedule
-    mp.spawn(_fsdp_llama_worker, args=(2, str(tmp_path / "init"), str(tmp_path), schedule.to_json()), nprocs=2)
-    for rank in range(2):
-        said = torch.load(tmp_path / f"rank{rank}.pt")
-        assert said["plain"] == (BF16, True)
-        kind, message = said["sharded first"]
-        assert kind == "ScheduleMismatch" and "sharded by FSDP2" in message and "nn.Sequential" in message
-        kind, message = said["applied first"]
+        "_hcv_applied"].schedule  # profiled on a bfloat16 copy: FSDP2's gathered parameters compute in bfloat16
+    mp.spawn(_fsdp_hf_worker, args=(2, str(tmp_path / "init"), str(tmp_path), name, schedule.to_json()), nprocs=2)
+    records = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for record in records:
+        for sharding in _SHARDINGS:
+            plain, applied = record[sharding, "plain"], record[sharding, "applied"]
+            assert record[sharding, "applied", "warned"] == []  # profiled in bfloat16, run in bfloat16
+            for (lp, dp, gp, rp), (la, da, ga, ra) in zip(plain, applied, strict=True):
+                assert da == dp == BF16 and rp and ra
+                assert torch.equal(la, lp), (sharding, la, lp)
+                assert _bitwise(ga, gp), sharding
+        kind, message = record["refused"]["applied first"]
         assert kind == "ScheduleMismatch" and "parameters sharded" in message
+        kind, message = record["refused"]["layers only"]
+        assert kind == "ScheduleMismatch" and "fully_shard(model)" in message
+    # the gradients were reduced: both ranks (different halves of the batch) hold the same full gradients
+    for sharding in _SHARDINGS:
+        for (_, _, g0, _), (_, _, g1, _) in zip(records[0][sharding, "applied"], records[1][sharding, "applied"]):
+            assert _bitwise(g0, g1)
 
 
 # ---------------------------------------------------------------------------------------------- memory
