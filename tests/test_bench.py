@@ -20,7 +20,7 @@ def test_grouped_times_run_a_group_back_to_back():
     import torch
     from torch import nn
 
-    from hchain_viz.bench.train import _grouped_times
+    from hchain_viz.bench.train import grouped_times
     from hchain_viz.runtime.measure import fresh_copy
 
     calls = []
@@ -35,7 +35,7 @@ def test_grouped_times_run_a_group_back_to_back():
             return super().forward(x)
 
     groups = [[Tagged("a0"), Tagged("a1"), Tagged("a2")], [Tagged("b0"), Tagged("b1")], [Tagged("c0")]]
-    times = _grouped_times(groups, torch.randn(2, 3), lambda out: out.sum(), 4, fresh_copy)
+    times = grouped_times(groups, torch.randn(2, 3), lambda out: out.sum(), 4, fresh_copy)
     assert [[len(t) for t in g] for g in times] == [[4, 4, 4], [4, 4], [4]]
     assert all(t > 0 for g in times for m in g for t in m)
     assert len(calls) == 5 * 6

@@ -449,7 +449,7 @@ def test_bad_arguments_and_failing_stage():
 
 # ---------------------------------------------------------------------------------------------- timing spread
 def fake_timer(times):
-    """A stand-in for measure._timed that runs the function and reports the next of ``times`` (seconds)."""
+    """A stand-in for measure.timed that runs the function and reports the next of ``times`` (seconds)."""
     it = iter(times * 1000)
 
     def timed(fn, dev):
@@ -467,7 +467,7 @@ def test_profile_records_the_spread_of_each_stage(monkeypatch):
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     # every stage: forward 1, 1, 2 ms (median 1 ms, spread (2-1)/2 = 50%), backward a steady 3 ms
     monkeypatch.setattr(P, "CALL_PAIRS", 0)  # no neighbours timed together: the timer's values go to the stages
-    monkeypatch.setattr(P, "_timed", fake_timer([1e-3, 3e-3, 1e-3, 3e-3, 2e-3, 3e-3]))
+    monkeypatch.setattr(P, "timed", fake_timer([1e-3, 3e-3, 1e-3, 3e-3, 2e-3, 3e-3]))
     with pytest.warns(hcv.TimingWarning, match=r"varied by ±12% across the 3 repeats \(0 ±50%, 1 ±50%, 2 ±50%\)"):
         chain = profile(model, torch.randn(3, 4), warmup=0, repeats=3, progress=False)
     assert chain.meta["time_spread"] == {"fwd": [0.5] * 3, "bwd": [0.0] * 3}
@@ -475,7 +475,7 @@ def test_profile_records_the_spread_of_each_stage(monkeypatch):
     assert chain.time_spread == pytest.approx(0.5 * 1 / 4)  # forwards are a quarter of the step time
     assert Chain.from_json(chain.to_json()).time_spread == chain.time_spread  # the chain keeps it
 
-    monkeypatch.setattr(P, "_timed", fake_timer([1e-3, 3e-3]))  # steady: no warning
+    monkeypatch.setattr(P, "timed", fake_timer([1e-3, 3e-3]))  # steady: no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         steady = profile(model, torch.randn(3, 4), warmup=0, repeats=3, progress=False)
@@ -495,7 +495,7 @@ def test_backward_call_is_measured_on_neighbours_and_left_out_of_each_backward(m
              1 * ms, 5 * ms, 1 * ms, 3 * ms, 6.5 * ms,  # stages 0 and 1 apart, then as one call: 1.5 ms less
              1 * ms, 4 * ms,  # stage 2
              1 * ms, 3 * ms, 1 * ms, 4 * ms, 6 * ms]  # stages 1 and 2: 1 ms less
-    monkeypatch.setattr(P, "_timed", fake_timer(times))
+    monkeypatch.setattr(P, "timed", fake_timer(times))
     chain = profile(model, torch.randn(3, 4), warmup=0, repeats=1, progress=False)
     assert chain.meta["backward_call"]["per_pair"] == pytest.approx([1.5 * ms, 1 * ms])
     assert chain.backward_call == pytest.approx(1.25 * ms)
@@ -528,7 +528,7 @@ def test_identical_stages_share_their_median_time(monkeypatch):
     # (another shape) are not copies of stages 1-3.
     times = [5e-3, 7e-3, 1e-3, 3e-3, 2e-3, 3e-3, 6e-3, 4e-3, 9e-3, 9e-3]
     monkeypatch.setattr(P, "CALL_PAIRS", 0)
-    monkeypatch.setattr(P, "_timed", fake_timer(times))
+    monkeypatch.setattr(P, "timed", fake_timer(times))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the copies differ by ±125%, but they are tied: no warning
         chain = profile(model, torch.randn(3, 8), warmup=0, repeats=1, progress=False)
@@ -541,7 +541,7 @@ def test_identical_stages_share_their_median_time(monkeypatch):
     again = Chain.from_json(chain.to_json())
     assert again.tied == chain.tied and again.copy_spread == chain.copy_spread and again == chain
 
-    monkeypatch.setattr(P, "_timed", fake_timer(times))
+    monkeypatch.setattr(P, "timed", fake_timer(times))
     raw = profile(model, torch.randn(3, 8), warmup=0, repeats=1, progress=False, tie_identical=False)
     assert raw.tied == () and raw.fwd_time == (5e-3, 1e-3, 2e-3, 6e-3, 9e-3)
 
@@ -551,7 +551,7 @@ def test_timing_warning_is_one_line_about_untied_stages(monkeypatch):
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     monkeypatch.setattr(P, "CALL_PAIRS", 0)
-    monkeypatch.setattr(P, "_timed", fake_timer([1e-3, 3e-3, 1e-3, 3e-3, 2e-3, 3e-3]))
+    monkeypatch.setattr(P, "timed", fake_timer([1e-3, 3e-3, 1e-3, 3e-3, 2e-3, 3e-3]))
     with pytest.warns(hcv.TimingWarning) as rec:
         profile(model, torch.randn(3, 4), warmup=0, repeats=3, progress=False)
     assert len(rec) == 1 and "\n" not in str(rec[0].message) and len(str(rec[0].message)) < 160

@@ -516,6 +516,7 @@ def fidelity_model(ctx: Ctx, name: str, size: dict[str, Any], granularity: Any =
     from torch import nn
 
     from ..core import strategies
+    from ..core.device import device_peak
     from ..core.simulate import simulate
     from ..core.solver import solve
     from ..core.units import format_bytes, format_time
@@ -556,7 +557,7 @@ def fidelity_model(ctx: Ctx, name: str, size: dict[str, Any], granularity: Any =
     goal = FIXED_GOAL if optimizer else PEAK_GOAL
     rows, ratios, status = [], [], "ok"
     for point, schedule, trace in points:
-        pred = trace.device_peak if optimizer else trace.peak_memory
+        pred = device_peak(trace) if optimizer else trace.peak_memory
         if ctx.expired():
             rows.append((point, "", format_bytes(pred), "not run (time box)", "", "", "", "", ""))
             status = "partial"
@@ -595,14 +596,14 @@ def _compare(ctx: Ctx, stages: list, x: Any, loss_fn: Callable, status: str) -> 
     import statistics
     from types import SimpleNamespace
 
-    from .models import _gains
+    from .models import optimal_gains
 
     if ctx.expired():
         ctx.write("\n- comparison with checkpoint_sequential: not run (the section's time box was spent)")
         return "partial"
     try:
-        gains, efficient, n = _gains(stages, x, loss_fn, SimpleNamespace(rounds=1 if ctx.quick else 5,
-                                                                         budgets=N_BUDGETS))
+        gains, efficient, n = optimal_gains(stages, x, loss_fn, SimpleNamespace(rounds=1 if ctx.quick else 5,
+                                                                                budgets=N_BUDGETS))
     except Exception as e:
         ctx.write()
         ctx.failure("comparison with checkpoint_sequential", e)

@@ -111,7 +111,7 @@ def _bench_model(name: str, model: nn.Module, x: Any, loss_fn: Callable, shape: 
     method = stages[0][1].method
     if opts.no_train:
         return (name, shape, method, str(len(stages)), f"{seconds:.2f} s", "", "", "", "")
-    gains, efficient, n_points = _gains(stages, x, loss_fn, opts)
+    gains, efficient, n_points = optimal_gains(stages, x, loss_fn, opts)
     kept = [g for g, e in zip(gains, efficient) if e]
     avg = f"{100 * statistics.mean(kept):+.1f}%" if kept else "n/a"
     old = f"{100 * statistics.mean(gains):+.1f}%" if gains else "n/a"
@@ -120,8 +120,8 @@ def _bench_model(name: str, model: nn.Module, x: Any, loss_fn: Callable, shape: 
             avg, old, best)
 
 
-def _gains(stages: list[tuple[str, nn.Module]], x: Any, loss_fn: Callable,
-           opts: Any) -> tuple[list[float], list[bool], int]:
+def optimal_gains(stages: list[tuple[str, nn.Module]], x: Any, loss_fn: Callable,
+                  opts: Any) -> tuple[list[float], list[bool], int]:
     """Gain of the optimal schedule over checkpoint_sequential(n) at equal measured peak, for each n that some
     optimal schedule matches; whether that n is Pareto-efficient among all n (measured peak, step time); L."""
     from ..core.simulate import simulate
@@ -131,13 +131,13 @@ def _gains(stages: list[tuple[str, nn.Module]], x: Any, loss_fn: Callable,
     from ..runtime.profile import profile
     from ..runtime.train.wrap import wrap
     from . import optimal_at
-    from .train import _CheckpointSequential, _interleaved_times
+    from .train import CheckpointSequential, interleaved_times
 
     seq = nn.Sequential(*[m for _, m in stages])  # what checkpoint_sequential runs; wrap() takes its children
     chain = profile([(n, m) for n, m in stages], x, loss_fn, progress=False)
     sol = solve(chain)
     L = chain.length
-    ckpt = [(_CheckpointSequential(seq, n), simulate(chain, periodic(chain, n)).peak_memory) for n in range(1, L + 1)]
+    ckpt = [(CheckpointSequential(seq, n), simulate(chain, periodic(chain, n)).peak_memory) for n in range(1, L + 1)]
     ckpt_peaks = [measure(m, x, loss_fn, repeats=1).peak_bytes for m, _ in ckpt]
     lo, hi = sol.min_budget, sol.store_all_peak
     budgets = {lo + (hi - lo) * k // max(1, opts.budgets - 1) for k in range(opts.budgets)}
@@ -146,7 +146,7 @@ def _gains(stages: list[tuple[str, nn.Module]], x: Any, loss_fn: Callable,
     optimal = [wrap(seq, optimal_at(chain, b)) for b in sorted(budgets)]
     modules = [m for m, _ in ckpt] + optimal
     peaks = ckpt_peaks + [measure(m, x, loss_fn, repeats=1).peak_bytes for m in optimal]
-    times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
+    times = interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
     for p in seq.parameters():
         p.grad = None
     opt = list(zip(peaks[L:], times[L:]))
@@ -322,7 +322,7 @@ def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list
     from ..runtime.stages import sequentialize
     from ..runtime.train.wrap import wrap
     from . import optimal_at
-    from .train import _CheckpointSequential, _grouped_times, _interleaved_times
+    from .train import CheckpointSequential, grouped_times, interleaved_times
 
     try:
         import torchvision
@@ -350,7 +350,7 @@ def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         L = len(seq)
-        ckpt = [_CheckpointSequential(seq, n) for n in range(1, L + 1)]
+        ckpt = [CheckpointSequential(seq, n) for n in range(1, L + 1)]
         ckpt_peaks = [measure(m, x, loss_fn, repeats=1).peak_bytes for m in ckpt]
         per_g = []  # (granularity, stages, chain, least budget, {budget: (module, predicted time)}, ckpt predicted)
         stage_lists = []
@@ -371,14 +371,14 @@ def _bench_cnn(name: str, opts: Any) -> tuple[list[tuple], tuple[list[str], list
                         for n in range(1, L + 1)]
             per_g.append((g, len(stages), chain, least, runs, ckpt_sim))
     # checkpoint_sequential's Pareto-efficient n, from a few rounds of its own
-    keep = pareto_efficient(list(zip(ckpt_peaks, _interleaved_times(ckpt, x, loss_fn, 3, fresh_copy))))
+    keep = pareto_efficient(list(zip(ckpt_peaks, interleaved_times(ckpt, x, loss_fn, 3, fresh_copy))))
     points = [n for n in range(L) if keep[n]]
     # Then the gains, each read per round from steps run back to back (the baseline and the optimum of each
     # granularity at its peak), as the median over rounds; store-all through the executor beside eager, the same way.
     groups = [[ckpt[n], *(runs[ckpt_peaks[n]][0] for *_, runs, _ in per_g if ckpt_peaks[n] in runs)] for n in points]
     plain = [model] + [wrap(nn.Sequential(*[m for _, m in st]), store_all(entry[2]))
                        for st, entry in zip(stage_lists, per_g)]
-    samples = _grouped_times([*groups, plain], x, loss_fn, opts.rounds, fresh_copy)
+    samples = grouped_times([*groups, plain], x, loss_fn, opts.rounds, fresh_copy)
     for p in model.parameters():
         p.grad = None
 

@@ -82,7 +82,7 @@ def run(args: list[str], sizes: dict[str, dict[str, Any]] | None = None) -> None
         configs.append(("store_all (wrapped)", "store_all", wrap(model, store), simulate(chain, store)))
         for n in range(1, L + 1):  # strategies.periodic is exactly what checkpoint_sequential does
             trace = simulate(chain, strategies.periodic(chain, n))
-            configs.append((f"checkpoint_sequential n={n}", "ckpt", _CheckpointSequential(stages, n), trace))
+            configs.append((f"checkpoint_sequential n={n}", "ckpt", CheckpointSequential(stages, n), trace))
         peaks = [measure(m, x, loss_fn, repeats=1).peak_bytes for _, _, m, _ in configs]
         # Every distinct optimal schedule: one per breakpoint of the solution's time-memory frontier (any budget's
         # schedule is the one of the breakpoint at or below it).
@@ -92,7 +92,7 @@ def run(args: list[str], sizes: dict[str, dict[str, Any]] | None = None) -> None
             m = wrap(model, s)
             configs.append((f"optimal @ {format_bytes(b)}", "optimal", m, simulate(chain, s)))
             peaks.append(measure(m, x, loss_fn, repeats=1).peak_bytes)
-        times = _interleaved_times([m for _, _, m, _ in configs], x, loss_fn, rounds, fresh_copy)
+        times = interleaved_times([m for _, _, m, _ in configs], x, loss_fn, rounds, fresh_copy)
 
         head = ("configuration", "pred peak", "meas peak", "meas/pred", "pred time", "step time")
         rows = [(label, "" if tr is None else format_bytes(tr.peak_memory), format_bytes(mp),
@@ -154,7 +154,7 @@ def run(args: list[str], sizes: dict[str, dict[str, Any]] | None = None) -> None
               f"{100 * statistics.mean(sim_all) if sim_all else float('nan'):+.1f}%)")
 
 
-class _CheckpointSequential(nn.Module):
+class CheckpointSequential(nn.Module):
     """PyTorch's own segment checkpointing: ``checkpoint_sequential(stages, segments, x, use_reentrant=False)``."""
 
     def __init__(self, stages: nn.Sequential, segments: int):
@@ -168,22 +168,22 @@ class _CheckpointSequential(nn.Module):
         return checkpoint_sequential(self.stages, self.segments, x, use_reentrant=False)
 
 
-def _interleaved_times(modules: list[Any], x: Any, loss_fn: Any, rounds: int, fresh_copy: Any,
-                       samples: bool = False) -> list[Any]:
+def interleaved_times(modules: list[Any], x: Any, loss_fn: Any, rounds: int, fresh_copy: Any,
+                      samples: bool = False) -> list[Any]:
     """Median step time of each module (or, with ``samples``, every step time), timing one step of each per round in
     a shuffled order (a warm-up round first). Timed as ``measure`` times: CUDA events on a GPU (kernels run
     asynchronously: a wall clock around the calls would see only their launches), ``perf_counter`` elsewhere."""
-    times = [t for (t,) in _grouped_times([[m] for m in modules], x, loss_fn, rounds, fresh_copy)]
+    times = [t for (t,) in grouped_times([[m] for m in modules], x, loss_fn, rounds, fresh_copy)]
     return times if samples else [statistics.median(t) for t in times]
 
 
-def _grouped_times(groups: list[list[Any]], x: Any, loss_fn: Any, rounds: int,
-                   fresh_copy: Any) -> list[list[list[float]]]:
+def grouped_times(groups: list[list[Any]], x: Any, loss_fn: Any, rounds: int,
+                  fresh_copy: Any) -> list[list[list[float]]]:
     """Every step time of each module of each group (``[group][module][round]``): per round (a warm-up round first)
     the groups run in a shuffled order, and a group's modules one after the other, also shuffled. Ratios within a
     group are then read from steps run back to back: a shared machine changes speed over seconds, and one step of a
     CNN varies by +-12% on its own, so steps timed far apart add both to a ratio's noise."""
-    from ..runtime.measure import _timed
+    from ..runtime.measure import timed
     from ..runtime.memtrack import tensors
 
     dev = tensors(x)[0].device
@@ -202,7 +202,7 @@ def _grouped_times(groups: list[list[Any]], x: Any, loss_fn: Any, rounds: int,
             for k in inner[gi]:
                 m = groups[gi][k]
                 xs = fresh_copy(x)
-                dt = _timed(lambda m=m, xs=xs: loss_fn(m(xs)).backward(), dev)
+                dt = timed(lambda m=m, xs=xs: loss_fn(m(xs)).backward(), dev)
                 for p in params:
                     p.grad.zero_()
                 if r:

@@ -141,7 +141,7 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
     from ..runtime.profile import profile
     from ..runtime.train.wrap import wrap
     from . import optimal_at
-    from .train import _interleaved_times
+    from .train import interleaved_times
 
     model.train()
     with warnings.catch_warnings():
@@ -179,7 +179,7 @@ def _bench(model: nn.Module, x: Any, loss_fn: Any, granularity: str, opts: Any) 
         if p > q:  # an under-prediction: a schedule the solver says fits would not
             print(f"  measured above predicted: {s.meta.get('strategy')} {p} B measured, {q} B predicted "
                   f"(x{p / q:.5f})")
-    times = _interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
+    times = interleaved_times(modules, x, loss_fn, opts.rounds, fresh_copy)
     for p in model.parameters():
         p.grad = None
     n, k = len(ckpt), k0
@@ -352,7 +352,7 @@ def _measured_points(name: str, layers: int, seq: int, opts: Any) -> list[tuple]
     from ..core.strategies import store_all
     from ..runtime.measure import fresh_copy, measure
     from ..runtime.train.wrap import wrap
-    from .train import _interleaved_times
+    from .train import interleaved_times
 
     runs = []  # (chain key, family or "optimal", schedule, wrapped module, x, loss_fn, measured peak)
     chains = {}
@@ -380,7 +380,7 @@ def _measured_points(name: str, layers: int, seq: int, opts: Any) -> list[tuple]
             run("store_all", store_all(chain))
         for b in sorted(budgets):
             run("optimal", sol.schedule(b))
-    samples = _interleaved_times([r[3] for r in runs], runs[0][4], runs[0][5], opts.rounds, fresh_copy,
+    samples = interleaved_times([r[3] for r in runs], runs[0][4], runs[0][5], opts.rounds, fresh_copy,
                                  samples=True)
     return [(k, f, peak_and_makespan(chains[k], s)[0], p, sam) for (k, f, s, *_, p), sam in zip(runs, samples)]
 

@@ -62,8 +62,8 @@ class Measurement:
     - ``input_bytes``: x_0. ``baseline_bytes``: what was resident before the step (parameters, gradients, buffers,
       the input; on CUDA, everything the allocator holds for tensors on the device).
     - ``device_peak``: everything resident at the step's peak — parameters, gradients, optimizer state, buffers, the
-      input and the activations (docs/design.md §7); comparable to ``simulate(chain, schedule).device_peak``. With an
-      optimizer the step includes ``optimizer.step()`` and ``zero_grad()``.
+      input and the activations (docs/design.md §7); comparable to ``hcv.device_peak(simulate(chain, schedule))``.
+      With an optimizer the step includes ``optimizer.step()`` and ``zero_grad()``.
     """
 
     peak_bytes: int
@@ -150,12 +150,12 @@ def measure(module: nn.Module, sample_input: Any, loss_fn: LossFn | None = None,
                 torch.cuda.synchronize(dev)
                 before = torch.cuda.memory_allocated(dev)
                 with MemoryMeter(dev) as meter:
-                    times.append(_timed(lambda x=x: step(x), dev))
+                    times.append(timed(lambda x=x: step(x), dev))
                 peak = max(peak, meter.peak)
                 # everything allocated at the peak, less the fresh copy of the input (the caller's is counted)
                 device_peak = max(device_peak, before - input_bytes + meter.peak)
             else:
-                times.append(_timed(lambda x=x: step(x), dev))
+                times.append(timed(lambda x=x: step(x), dev))
             del x
         if dev.type != "cuda":  # logging allocations slows every op: one more step, untimed
             zero_grads()
@@ -184,7 +184,7 @@ def _as_keywords(module: nn.Module, sample_input: Any) -> bool:
                for k in sample_input)
 
 
-def _timed(fn: Callable[[], Any], dev: torch.device) -> float:
+def timed(fn: Callable[[], Any], dev: torch.device) -> float:
     """Seconds ``fn`` takes: CUDA events around it on a GPU, ``perf_counter`` elsewhere."""
     if dev.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

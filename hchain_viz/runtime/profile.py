@@ -63,11 +63,11 @@ from .fixed import check_optimizer, fixed_memory
 from .measure import (
     LossFn,
     _shapes,
-    _timed,
     default_loss,
     loss_of,
     preserved_state,
     resolve_device,
+    timed,
     to_device,
     user_code,
 )
@@ -405,7 +405,7 @@ def _call_cost(prev: _StageProfile, cur: _StageProfile, warmup: int, repeats: in
         outs, grads = cur._graded(cur._forward(prev._forward(inp)))
         if not outs:
             return None
-        joined = _timed(lambda outs=outs, grads=grads: torch.autograd.backward(outs, grads), cur.dev)
+        joined = timed(lambda outs=outs, grads=grads: torch.autograd.backward(outs, grads), cur.dev)
         prev._clear_input_grads()
         if k >= warmup:
             diffs.append(b_prev + b_cur - joined)
@@ -502,9 +502,9 @@ class _StageProfile:
         """Seconds of one recording forward and of its backward (the graph and copies die on return)."""
         inp = self._input()
         box: list[Any] = []
-        f = _timed(lambda: box.append(self._forward(inp)), self.dev)
+        f = timed(lambda: box.append(self._forward(inp)), self.dev)
         outs, grads = self._graded(box[0])
-        b = _timed(lambda: torch.autograd.backward(outs, grads), self.dev) if outs else 0.0
+        b = timed(lambda: torch.autograd.backward(outs, grads), self.dev) if outs else 0.0
         self._clear_input_grads()
         return f, b
 

@@ -271,9 +271,9 @@ def memory_traces(view: TraceView, budget: int | None = None, step: int | None =
 def _layers_in_time(view: TraceView, t_stop: float) -> tuple[np.ndarray, np.ndarray]:
     """Resident bytes per layer as steps in time (items live from the start of the op that creates them to the end
     of the op that frees them: a prefetch allocates at its copy's start, an offload frees at its copy's end)."""
-    from .trace_view import _LAYER_OF
+    from .trace_view import LAYER_OF
 
-    layer = np.fromiter((_LAYER_OF[kind] for kind in view.item_kind), np.int64, len(view.item_kind))
+    layer = np.fromiter((LAYER_OF[kind] for kind in view.item_kind), np.int64, len(view.item_kind))
     times = np.unique(np.concatenate([[0.0], view.item_t0, view.item_t1]))
     times = times[times <= t_stop]
     values = np.zeros((len(LAYERS), len(times)), np.int64)
@@ -628,8 +628,8 @@ def frontier(solution: Any, strategies: Any = None, budget: int | None = None, *
              max_overhead: float | None = None) -> go.Figure:
     """Makespan (left axis) and overhead over store-all (right axis) against the budget.
 
-    ``solution`` is what :func:`hchain_viz.solve` returns (with ``offload=True`` the remat+offload curve is drawn
-    with the remat-only optimum beside it); ``strategies`` picks the baselines drawn beside the
+    ``solution`` is what :func:`hchain_viz.solve` returns (from :func:`hchain_viz.solve_offload`, the remat+offload
+    curve is drawn with the remat-only optimum beside it); ``strategies`` picks the baselines drawn beside the
     optimal curve (None: all of ``core.strategies.frontier_points``; False: none; a list of names; or a mapping
     name → [(peak_bytes, makespan)]). ``budget`` (bytes) is marked with a line. ``max_overhead`` (0.5: +50%) caps
     the time axis at that overhead over store-all: just above the least budget a deep chain's optimum can cost many

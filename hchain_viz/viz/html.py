@@ -30,7 +30,8 @@ from .trace_view import TraceView
 
 __all__ = ["to_html"]
 
-_CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["sendDataToCloud"]}
+#: plotly's config for every figure of a page: no logo, resizing with the page, no cloud upload.
+PLOTLY_CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["sendDataToCloud"]}
 
 
 def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int = 120, strategies: Any = None,
@@ -95,7 +96,7 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
         base=dict(timeline=first["timeline"], memory=first["memory"], tape=first["tape"],
                   frontier=dict(data=frontier_data, layout=F.frontier_layout(fd))),
         frontier_budget_index=len(frontier_data) - 3,  # the budget line and point come just before the axis trace
-        config=_CONFIG,
+        config=PLOTLY_CONFIG,
     )
     title = title or f"hchain_viz: {chain.length}-stage chain, optimal schedules from " \
                       f"{format_bytes(lo)} to {format_bytes(hi)}"
@@ -103,8 +104,8 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
         title=html.escape(title),
         head=html.escape(f"store-all {format_time(chain.store_all_time)} at {format_bytes(solution.store_all_peak)}; "
                          f"least feasible budget {format_bytes(lo)}; {len(frames)} budgets"),
-        plotlyjs=_plotly_js(),
-        data=_script_json(payload),
+        plotlyjs=plotly_js(),
+        data=script_json(payload),
         n_last=len(frames) - 1,
         start=start,
         script=_SCRIPT,
@@ -125,13 +126,14 @@ def _solution_of(obj: Any) -> Any:
     raise HChainError(f"to_html needs a Chain or a Solution (hcv.solve(chain)), got {type(obj).__name__}")
 
 
-def _plotly_js() -> str:
+def plotly_js() -> str:
+    """plotly.js itself (several MB), embedded so that a page fetches nothing."""
     from plotly.offline import get_plotlyjs
 
     return get_plotlyjs()
 
 
-def _script_json(obj: Any) -> str:
+def script_json(obj: Any) -> str:
     """JSON safe inside a <script> element: no "</" can close it early (stage names are user text)."""
     from plotly.io.json import to_json_plotly
 

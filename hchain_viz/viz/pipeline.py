@@ -247,23 +247,23 @@ def html_frames(chain: Any, devices: int, microbatches: int, schedule: str = "1F
 def html_section(frames: list[dict], prefix: str = "") -> str:
     """The page's pipeline part: a device-memory slider over ``frames`` driving both figures. Element ids start
     with ``prefix``, so the section can sit in another page (:func:`hchain_viz.viz.html.to_html`)."""
-    from .html import _CONFIG, _script_json
+    from .html import PLOTLY_CONFIG, script_json
 
     start = (len(frames) - 1) // 2
     return _SECTION.format(p=prefix, n_last=len(frames) - 1, start=start,
-                           data=_script_json(dict(frames=frames, start=start, config=_CONFIG)))
+                           data=script_json(dict(frames=frames, start=start, config=PLOTLY_CONFIG)))
 
 
 def to_html(chain: Any, devices: int, microbatches: int, path: str | os.PathLike, schedule: str = "1F1B", *,
             bandwidth: Any = None, n: int = 40, title: str | None = None) -> str:
     """Write a self-contained page (plotly.js embedded, nothing fetched) with the memory bars and the timeline of
     the best plan at ``n`` per-device memory limits and a slider between them; return the path."""
-    from .html import _plotly_js
+    from .html import plotly_js
 
     pipe, budgets, frames = html_frames(chain, devices, microbatches, schedule, bandwidth=bandwidth, n=n)
     title = title or (f"hchain_viz: {pipe.kind} pipeline on {devices} devices, {microbatches} microbatches, "
                       f"{format_bytes(budgets[0])} to {format_bytes(budgets[-1])} per device")
-    page = _PAGE.format(title=html.escape(title), plotlyjs=_plotly_js(), section=html_section(frames))
+    page = _PAGE.format(title=html.escape(title), plotlyjs=plotly_js(), section=html_section(frames))
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)
     return str(path)

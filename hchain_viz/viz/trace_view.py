@@ -16,8 +16,8 @@ from ..core.simulate import Trace
 
 # Resident item kinds folded into the three memory layers of the memory figure.
 LAYERS = ("x", "saved", "delta")
-# transit, consumed: parts of an x_i; shared: a tensor in several x (§8)
-_LAYER_OF = {"x": 0, "transit": 0, "consumed": 0, "shared": 0, "xbar": 1, "out": 1, "delta": 2}
+# Each item kind's index into LAYERS (transit, consumed: parts of an x_i; shared: a tensor in several x, §8).
+LAYER_OF = {"x": 0, "transit": 0, "consumed": 0, "shared": 0, "xbar": 1, "out": 1, "delta": 2}
 # Op categories of the timeline, in trace order.
 CATEGORIES = ("forward", "recompute", "backward", "loss", "offload", "prefetch")
 
@@ -92,7 +92,7 @@ class TraceView:
         i1 = np.fromiter((n if lt.freed is None else lt.freed for lt in lts), np.int64, len(lts))
         size = np.fromiter((lt.size for lt in lts), np.int64, len(lts))
         # Column c of `layers` is the state after c ops; an item is resident in columns created+1 .. freed.
-        layer = np.fromiter((_LAYER_OF[k] for k in kind), np.int64, len(lts))
+        layer = np.fromiter((LAYER_OF[k] for k in kind), np.int64, len(lts))
         diff = np.zeros((len(LAYERS), n + 2), np.int64)
         np.add.at(diff, (layer, i0 + 1), size)
         np.add.at(diff, (layer, i1 + 1), -size)
