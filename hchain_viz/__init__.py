@@ -3,8 +3,9 @@
     import hchain_viz as hcv
     chain = hcv.profile(model, x)            # per-stage times and sizes
     sol = hcv.solve(chain)                   # the optimal DP, for every budget at once
-    # hcv.solve(chain.with_bandwidth("pcie5"), offload=True): recompute or offload to host memory
+    # hcv.solve_offload(chain.with_bandwidth("pcie5")): recompute or offload to host memory
     schedule = sol.schedule(budget_bytes)    # a list of Fck/Fn/Fall/Loss/B ops
+    # hcv.device_schedule(sol, "24GiB"): the fastest whole step (fixed part + activations) that fits a device
     trace = hcv.simulate(chain, schedule)    # predicted time and memory, op by op
     wrapped = hcv.wrap(model, schedule)      # train with it: same gradients, less memory
     hcv.apply(model, schedule)               # or in place: the model itself trains by it (HF Trainer, Lightning)
@@ -21,8 +22,10 @@ import importlib
 from typing import Any
 
 from .core import strategies
+from .core.batch import at_batch
 from .core.chain import BANDWIDTH_PRESETS, Chain
-from .core.offload import OffloadSolution
+from .core.device import device_peak, device_schedule
+from .core.offload import OffloadSolution, solve_offload
 from .core.schedule import Op, Schedule
 from .core.simulate import Trace, simulate
 from .core.solver import Solution, optimal_schedule, solve
@@ -72,7 +75,7 @@ _LAZY = {
 
 __all__ = [
     "Chain", "Schedule", "Op", "Trace", "Solution", "OffloadSolution", "BANDWIDTH_PRESETS", "simulate", "solve",
-    "optimal_schedule", "strategies",
+    "optimal_schedule", "strategies", "solve_offload", "device_schedule", "device_peak", "at_batch",
     "format_bytes", "format_time", "parse_bytes",
     "HChainError", "InvalidChain", "InvalidSchedule", "InfeasibleBudget", "NotSequentialError", "ProfileError",
     "TimingWarning", "DependencyError", "DoesNotFit", "AlreadyApplied", "ScheduleMismatch", "InputMismatch",

@@ -239,6 +239,7 @@ def _load_model_with(spec: str, **kwargs: Any) -> tuple[Any, Any, Any]:
 def fit_rows(chain, device_memory: Any, margin: float) -> list[tuple[str, ...]]:
     """One row per strategy: the largest batch that fits, its step time, throughput and whole-step peak."""
     from .core import device
+    from .core.batch import at_batch
     from .core.simulate import simulate
     from .core.units import format_bytes, format_time
 
@@ -248,7 +249,7 @@ def fit_rows(chain, device_memory: Any, margin: float) -> list[tuple[str, ...]]:
         if p is None:
             rows.append((name, "none", "", "", "", ""))
             continue
-        n = simulate(chain.at_batch(p.batch), p.schedule).n_recomputed
+        n = simulate(at_batch(chain, p.batch), p.schedule).n_recomputed
         segments = p.schedule.meta.get("segments")
         detail = (f"{segments} segments, " if segments else "") + (f"{n} recomputed" if n else "no recomputation")
         rows.append((name, str(p.batch), format_time(p.makespan), f"{p.throughput:,.0f}", format_bytes(p.device_peak),

@@ -38,7 +38,7 @@ def test_profile_batches_fits_and_checks_on_a_held_out_size(fitted):
     # the fit reproduces a fresh profile's sizes at a size it never saw
     x, loss = make(40)
     fresh = hcv.profile(model, x, loss, repeats=1, warmup=0, progress=False)
-    got = chain.at_batch(40)
+    got = hcv.at_batch(chain, 40)
     assert got.x == fresh.x
     assert got.xbar == pytest.approx(fresh.xbar, rel=0.01)
 

@@ -61,7 +61,7 @@ def test_chain_json_round_trips_fixed_and_batch_fit_and_old_json_still_loads():
     c = fit_batch(chains).with_world_size(2)
     back = Chain.from_json(c.to_json())
     assert back == c and back.fixed.world_size == 2 and back.batch == 8
-    assert back.at_batch(24) == c.at_batch(24)
+    assert hcv.at_batch(back, 24) == hcv.at_batch(c, 24)
     d = json.loads(c.to_json())
     del d["fixed"], d["batch_fit"]
     old = Chain.from_dict(d)
@@ -76,9 +76,9 @@ def test_chain_json_round_trips_fixed_and_batch_fit_and_old_json_still_loads():
 
 def test_without_fixed_part_device_questions_say_what_to_do():
     c = Chain.random(4)
-    assert hcv.simulate(c, store_all(c)).device_peak is None
+    assert hcv.device_peak(hcv.simulate(c, store_all(c))) is None
     with pytest.raises(HChainError, match="optimizer=opt"):
-        hcv.solve(c).schedule(device_memory="1GiB")
+        hcv.device_schedule(hcv.solve(c), "1GiB")
     with pytest.raises(HChainError, match="optimizer="):
         c.with_world_size(2)
 
@@ -93,9 +93,9 @@ def test_device_peak_by_hand_on_a_two_stage_chain():
     # store-all: Fall0 (1+8), Fall1 (+16: out inside), Loss (+4: δ2) -> 29, peak of B1 = 29 + δ1 (2) with grads 20,
     # then B0 creates δ0 (1) with grads 30; end: x0 + out + δ0 = 1 + 4 + 1 = 6; optimizer step 6 + 30 + 1000.
     assert t.peak_memory == 31
-    assert t.device_peak == static + max(20 + 31, 30 + 6 + 1000)
+    assert hcv.device_peak(t) == static + max(20 + 31, 30 + 6 + 1000)
     small_step = dataclasses.replace(c, fixed=dataclasses.replace(c.fixed, step_tmp=0))
-    assert hcv.simulate(small_step, store_all(small_step)).device_peak == static + 20 + 31
+    assert hcv.device_peak(hcv.simulate(small_step, store_all(small_step))) == static + 20 + 31
 
 
 def test_library_workspace_is_resident_unsharded_and_round_trips():
@@ -104,7 +104,7 @@ def test_library_workspace_is_resident_unsharded_and_round_trips():
     base = FixedMemory(params=100, stage_grads=[10, 20], optimizer_state=200, buffers=3, step_tmp=1000)
     c = Chain(fwd_time=[1, 1], bwd_time=[1, 1], x=[1, 2, 4], xbar=[8, 16], fixed=base)
     with_ws = dataclasses.replace(c, fixed=dataclasses.replace(base, workspace=64))
-    peak = lambda chain: hcv.simulate(chain, store_all(chain)).device_peak  # noqa: E731
+    peak = lambda chain: hcv.device_peak(hcv.simulate(chain, store_all(chain)))  # noqa: E731
     assert peak(with_ws) == peak(c) + 64
     assert with_ws.fixed.with_world_size(4).static_per_rank == -(-100 // 4) + -(-200 // 4) + 3 + 64
     assert with_ws.fixed.parts()["library workspace"] == 64 and "library workspace" not in base.parts()
@@ -121,11 +121,11 @@ def test_autocast_weight_copies_live_from_a_stages_forward_to_its_backward_by_ha
     static = 100 + 200 + 3
     # Loss: 29 of activations with both stages' copies (452); B1 (peak 31): stage 0's copies, then the larger of its
     # new gradients (20) and its own copies (70) -> 454; without copies the same point is static + 20 + 31.
-    assert hcv.simulate(c, store_all(c)).device_peak == static + 50 + 31 + 70
+    assert hcv.device_peak(hcv.simulate(c, store_all(c))) == static + 50 + 31 + 70
     assert base.static_per_rank == static + 120 and base.at_step_per_rank == static
     assert base.total_per_rank == static + 120 + 30 and base.step_total_per_rank == static + 30
     big_step = dataclasses.replace(c, fixed=dataclasses.replace(base, step_tmp=1000))
-    assert hcv.simulate(big_step, store_all(big_step)).device_peak == static + 30 + 6 + 1000  # no copies
+    assert hcv.device_peak(hcv.simulate(big_step, store_all(big_step))) == static + 30 + 6 + 1000  # no copies
     assert device.optimizer_step_peak(big_step) == static + 30 + 6 + 1000
     assert base.with_world_size(4).static_per_rank == 25 + 50 + 3 + 120  # copies are not sharded
     assert base.parts()["autocast weight copies"] == 120 and base.describe().split("(")[1].startswith("bf16-mixed: ")
@@ -178,37 +178,35 @@ def test_device_schedule_fits_the_device_under_the_simulator(seed):
     c = with_fixed(Chain.random(8, seed=seed), stage_grads=[MiB // 8] * 8, step_tmp=MiB // 2)  # activations matter
     sol = hcv.solve(c)
     least = device.least_device_memory(c, margin=0.1, solution=sol)
-    sa_dev = int(hcv.simulate(c, store_all(c)).device_peak / 0.9) + 1  # a device where store-all just fits
+    sa_dev = int(hcv.device_peak(hcv.simulate(c, store_all(c))) / 0.9) + 1  # a device where store-all just fits
     assert least < sa_dev
     for dev in (least, (least + sa_dev) // 2, sa_dev):
-        s = sol.schedule(device_memory=dev, margin=0.1)
+        s = hcv.device_schedule(sol, dev, margin=0.1)
         trace = hcv.simulate(c, s)
-        assert trace.device_peak <= dev * 0.9
+        assert hcv.device_peak(trace) <= dev * 0.9
         assert s.meta["device_memory"] == dev
-    assert hcv.simulate(c, sol.schedule(device_memory=sa_dev, margin=0.1)).n_recomputed == 0
+    assert hcv.simulate(c, hcv.device_schedule(sol, sa_dev, margin=0.1)).n_recomputed == 0
     too_small = int((c.fixed.static_per_rank + hcv.core.solver.least_budget(c) // 2) / 0.9)
     with pytest.raises(DoesNotFit) as e:
-        sol.schedule(device_memory=too_small, margin=0.1)
+        hcv.device_schedule(sol, too_small, margin=0.1)
     assert e.value.min_budget == least and f"({least} B) fits" in str(e.value) and "AdamW state" in str(e.value)
 
 
 def test_device_schedule_argument_errors():
     c = with_fixed(Chain.random(4))
     sol = hcv.solve(c)
-    with pytest.raises(HChainError, match="not both"):
-        sol.schedule(10 * MiB, device_memory="1GiB")
     with pytest.raises(HChainError, match="margin"):
-        sol.schedule(device_memory="1GiB", margin=1.5)
+        hcv.device_schedule(sol, "1GiB", margin=1.5)
     with pytest.raises(HChainError, match="device memory"):
-        sol.schedule(device_memory="lots")
+        hcv.device_schedule(sol, "lots")
     with pytest.raises(DoesNotFit, match="the optimizer step alone"):
-        sol.schedule(device_memory=c.fixed.total_per_rank)
+        hcv.device_schedule(sol, c.fixed.total_per_rank)
 
 
 def test_sharding_lowers_the_device_peak_by_what_it_divides():
     c = with_fixed(Chain.random(5))
-    one = hcv.simulate(c, store_all(c)).device_peak
-    two = hcv.simulate(c.with_world_size(2), store_all(c)).device_peak
+    one = hcv.device_peak(hcv.simulate(c, store_all(c)))
+    two = hcv.device_peak(hcv.simulate(c.with_world_size(2), store_all(c)))
     assert 0 < one - two <= (c.fixed.params + c.fixed.optimizer_state + c.fixed.grads + c.fixed.step_tmp) // 2 + 5
 
 
@@ -217,14 +215,14 @@ def test_fit_is_exact_on_linear_chains_and_checked_on_a_held_out_size():
     chains, at = linear_chains()
     c = fit_batch(chains)
     for b in (1, 8, 24, 100):
-        got, want = c.at_batch(b), at(b)
+        got, want = hcv.at_batch(c, b), at(b)
         assert got.x == want.x and got.xbar == want.xbar and got.bwd_tmp == want.bwd_tmp
         assert got.fwd_time == pytest.approx(want.fwd_time)
         assert got.batch == b
-    err = fit_error(c.at_batch(24), at(24))
+    err = fit_error(hcv.at_batch(c, 24), at(24))
     assert abs(err["store_all_peak"]) < 1e-12 and err["size_max"] == 0
     wrong = dataclasses.replace(at(24), x=[v + 1000 for v in at(24).x])
-    assert fit_error(c.at_batch(24), wrong)["size_max"] > 0
+    assert fit_error(hcv.at_batch(c, 24), wrong)["size_max"] > 0
 
 
 def test_fit_needs_two_sizes_and_the_same_stages():
@@ -235,9 +233,9 @@ def test_fit_needs_two_sizes_and_the_same_stages():
     with pytest.raises(HChainError, match="same stages"):
         fit_batch({8: at(8), 16: other})
     with pytest.raises(HChainError, match="no batch-size fit"):
-        at(8).at_batch(4)
+        hcv.at_batch(at(8), 4)
     with pytest.raises(HChainError, match="positive integer"):
-        fit_batch({8: at(8), 16: at(16)}).at_batch(0)
+        hcv.at_batch(fit_batch({8: at(8), 16: at(16)}), 0)
 
 
 def test_largest_batch_bisection_agrees_with_a_scan_and_strategies_are_ordered():
@@ -248,7 +246,7 @@ def test_largest_batch_bisection_agrees_with_a_scan_and_strategies_are_ordered()
     for s in device.BATCH_STRATEGIES:
         p = device.largest_batch(c, dev, s)
         assert p.fits and p.device_peak <= device.usable_memory(dev)
-        above = device.fit_point(c.at_batch(p.batch + 1), s, dev)
+        above = device.fit_point(hcv.at_batch(c, p.batch + 1), s, dev)
         assert not above.fits
         grid = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
         on_grid = device.largest_batch(c, dev, s, batches=grid)
@@ -270,7 +268,7 @@ def test_fit_point_optimal_is_never_slower_than_the_baselines_when_they_fit():
                 assert opt.fits and opt.makespan <= p.makespan * (1 + 1e-9)
     cs = sweep["checkpoint_sequential"][0]
     assert cs.schedule.meta["strategy"] == "periodic"
-    assert cs.schedule.ops in {periodic(c.at_batch(4), n).ops for n in range(1, 7)}
+    assert cs.schedule.ops in {periodic(hcv.at_batch(c, 4), n).ops for n in range(1, 7)}
 
 
 def test_fit_scales_shared_tensors_with_the_batch():
@@ -279,5 +277,5 @@ def test_fit_scales_shared_tensors_with_the_batch():
                                      xbar=[max(v, 100 * b) for v in at(b).xbar], shared=((1, 3, 100 * b),))
               for b in (8, 16)}
     c = fit_batch(chains)
-    assert c.at_batch(32).shared == ((1, 3, 3200),)
-    assert Chain.from_json(c.to_json()).at_batch(4).shared == ((1, 3, 400),)
+    assert hcv.at_batch(c, 32).shared == ((1, 3, 3200),)
+    assert hcv.at_batch(Chain.from_json(c.to_json()), 4).shared == ((1, 3, 400),)

@@ -473,14 +473,14 @@ def test_a_chain_of_compiled_stages_says_so(ex, chain, solution):
 
 
 def test_explorer_shows_an_offload_solution():
-    """Explorer(chain, solution=hcv.solve(chain, offload=True)): the schedules carry transfers, the timeline their
+    """Explorer(chain, solution=hcv.solve_offload(chain)): the schedules carry transfers, the timeline their
     lanes, the frontier both curves (docs/design.md §9)."""
     import hchain_viz as hcv
 
     base = hcv.Chain.random(10, seed=3)
     chain = hcv.Chain(fwd_time=[t / 20 for t in base.fwd_time], bwd_time=[t / 20 for t in base.bwd_time], x=base.x,
                       xbar=base.xbar, fwd_tmp=base.fwd_tmp, bwd_tmp=base.bwd_tmp, bandwidth="nvlink-c2c")
-    sol = hcv.solve(chain, offload=True, grid=12)
+    sol = hcv.solve_offload(chain, grid=12)
     ex = hcv.Explorer(chain, solution=sol, baselines=False)
     seen = 0
     for b in sol.grid:

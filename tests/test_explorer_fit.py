@@ -29,24 +29,24 @@ def chain():
             base, fwd_time=[t * b for t in base.fwd_time], bwd_time=[t * b for t in base.bwd_time],
             x=[v * b for v in base.x], xbar=[v * b for v in base.xbar], fwd_tmp=[v * b for v in base.fwd_tmp],
             bwd_tmp=[v * b for v in base.bwd_tmp], fixed=fixed)
-    return fit_batch({4: at(4), 8: at(8)}).at_batch(8)
+    return hcv.at_batch(fit_batch({4: at(4), 8: at(8)}), 8)
 
 
 def test_device_panel_picks_the_fastest_schedule_that_fits(chain):
     ex = Explorer(chain)
     assert "choose a device" in ex._device_label.value
-    sa = hcv.simulate(chain, hcv.strategies.store_all(chain)).device_peak
+    sa = hcv.device_peak(hcv.simulate(chain, hcv.strategies.store_all(chain)))
     least = device.least_device_memory(chain, 0.05)
     dev = (least + int(sa / 0.95)) // 2  # store-all does not fit: recomputation needed
     ex.device_memory = dev
     trace = ex.trace
     assert "Fits" in ex.device_note
-    assert trace.device_peak <= device.usable_memory(dev, ex.margin) and trace.n_recomputed > 0
-    want = hcv.solve(chain).schedule(device_memory=dev, margin=ex.margin)
+    assert hcv.device_peak(trace) <= device.usable_memory(dev, ex.margin) and trace.n_recomputed > 0
+    want = hcv.device_schedule(hcv.solve(chain), dev, margin=ex.margin)
     assert trace.schedule.ops == want.ops
     assert "throughput" in ex.figures and ["throughput"] in ex._board.rows
     ex.margin = 0.02  # a smaller margin leaves more: a schedule as fast or faster, still within the device
-    assert ex.trace.device_peak <= device.usable_memory(dev, 0.02)
+    assert hcv.device_peak(ex.trace) <= device.usable_memory(dev, 0.02)
     assert ex.trace.makespan <= trace.makespan
     ex.close()
 
@@ -99,8 +99,8 @@ def test_whole_step_axis_moves_slider_and_frontier_by_the_fixed_part(chain):
 def test_batch_box_re_solves_at_another_batch_size(chain):
     ex = Explorer(chain, device_memory="40MiB")
     ex._batch_box.value = 16
-    assert ex.chain.batch == 16 and ex.chain.x == chain.at_batch(16).x
-    assert ex.trace.device_peak <= device.usable_memory(40 * MiB, ex.margin) or not ex._device_fits
+    assert ex.chain.batch == 16 and ex.chain.x == hcv.at_batch(chain, 16).x
+    assert hcv.device_peak(ex.trace) <= device.usable_memory(40 * MiB, ex.margin) or not ex._device_fits
     mark = [s for s in ex.figures["throughput"].layout.shapes if s.x0 == 16]
     assert mark  # the batch on screen is marked on the throughput figure
     ex.close()
@@ -130,7 +130,7 @@ def test_precision_choice_recounts_the_fixed_part_and_answers_the_device_again(c
     assert ex.precision == "bf16" and ex.chain.fixed == want.fixed
     assert want.fixed.total_per_rank < mixed.total_per_rank
     assert ex.device_note != before and "bf16:" in ex.device_note  # the answer follows the precision
-    assert ex.trace.schedule.ops == hcv.solve(want).schedule(device_memory="40MiB", margin=ex.margin).ops
+    assert ex.trace.schedule.ops == hcv.device_schedule(hcv.solve(want), "40MiB", margin=ex.margin).ops
     assert ex._budget_slider.min == ex.min_budget + want.fixed.total_per_rank  # the device axis moves with it
     ex.batch = 16  # another batch keeps the precision chosen
     assert ex.precision == "bf16" and ex.chain.fixed == want.fixed

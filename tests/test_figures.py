@@ -396,7 +396,7 @@ def test_frontier_of_an_offload_solution_shows_both_curves():
     c = hcv.Chain.random(10, seed=3)
     c = hcv.Chain(fwd_time=[v / 20 for v in c.fwd_time], bwd_time=[v / 20 for v in c.bwd_time], x=c.x, xbar=c.xbar,
                   fwd_tmp=c.fwd_tmp, bwd_tmp=c.bwd_tmp, bandwidth="nvlink-c2c")
-    sol = hcv.solve(c, offload=True, grid=8)
+    sol = hcv.solve_offload(c, grid=8)
     fig = F.frontier(sol, strategies=False)
     main, remat = fig.data[0], by_name(fig, F.REMAT_ONLY)
     assert main.name == "optimal + offload"

@@ -34,7 +34,7 @@ def gpu_like(L: int, seed: int, bandwidth: float | str = "pcie5") -> hcv.Chain:
 @pytest.mark.parametrize("bandwidth", ["pcie4", "nvlink-c2c"])
 def test_answers_simulate_within_budget_and_never_lose_to_remat(bandwidth):
     chain = gpu_like(14, seed=3, bandwidth=bandwidth)
-    sol = hcv.solve(chain, offload=True, grid=12)
+    sol = hcv.solve_offload(chain, grid=12)
     assert isinstance(sol, OffloadSolution)
     budgets = sol.grid + np.linspace(sol.remat.min_budget, sol.store_all_peak, 7).astype(int).tolist()
     wins = 0
@@ -58,7 +58,7 @@ def test_answers_simulate_within_budget_and_never_lose_to_remat(bandwidth):
 
 def test_infeasible_budget_names_the_least():
     chain = gpu_like(10, seed=1, bandwidth="nvlink-c2c")
-    sol = hcv.solve(chain, offload=True, grid=6)
+    sol = hcv.solve_offload(chain, grid=6)
     assert math.isinf(sol.makespan(sol.min_budget - 1))
     with pytest.raises(InfeasibleBudget) as err:
         sol.schedule(sol.min_budget - 1)
@@ -67,7 +67,7 @@ def test_infeasible_budget_names_the_least():
 
 def test_a_slow_link_leaves_remat_only():
     chain = gpu_like(8, seed=2, bandwidth=1e3)  # 1 kB/s: every copy would stall the step
-    sol = hcv.solve(chain, offload=True, grid=8)
+    sol = hcv.solve_offload(chain, grid=8)
     for b in sol.grid:  # (it may still beat the table by a slot: a schedule solved for more slots that fits b)
         assert sol.makespan(b) == math.inf or sol.schedule(b).n_transfers == 0
 
@@ -143,7 +143,7 @@ def _compare(seeds, bandwidths=(0.5, 2.0, 8.0)):
             chain = base.with_bandwidth(bw)
             found = oracles.brute_offload(chain, 2 if chain.length <= 2 else 1)
             budgets = sorted({p for p, _, _ in found})
-            sol = hcv.solve(chain, offload=True, slots=10**9, grid=budgets)
+            sol = hcv.solve_offload(chain, slots=10**9, grid=budgets)
             for b in budgets:
                 want = oracles.best_within(found, b)
                 got = sol.makespan(b)
@@ -168,7 +168,7 @@ def test_against_exhaustive_search_on_small_chains():
 def test_errors():
     chain = hcv.Chain.random(5, seed=1)
     with pytest.raises(HChainError, match="with_bandwidth"):
-        hcv.solve(chain, offload=True)
+        hcv.solve_offload(chain)
     for bad in (1, "x", [], [0, 5]):
         with pytest.raises(HChainError, match="grid"):
-            hcv.solve(chain.with_bandwidth("pcie5"), offload=True, grid=bad)
+            hcv.solve_offload(chain.with_bandwidth("pcie5"), grid=bad)

@@ -97,11 +97,11 @@ def test_python_blocks_parse_and_runnable_ones_run(page):
 
 @pytest.mark.torch
 def test_will_it_fit_example_runs():
-    block = next(b for b, _ in blocks(README) if "device_memory=" in b and "profile_batches" in b)
+    block = next(b for b, _ in blocks(README) if "device_schedule(" in b and "profile_batches" in b)
     scope: dict = {"print": lambda *a: None}
     exec(compile(block, "README will it fit", "exec"), scope)
     import hchain_viz as hcv
 
     trace = hcv.simulate(scope["c64"], scope["schedule"])
-    assert trace.n_recomputed > 0 and trace.device_peak <= 0.95 * 256 * 2**20
+    assert trace.n_recomputed > 0 and hcv.device_peak(trace) <= 0.95 * 256 * 2**20
     assert "python -m hchain_viz fit " in README

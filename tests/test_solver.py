@@ -271,11 +271,6 @@ def test_single_level_optimum_equals_every_single_level_schedule_simulated(make,
         assert full.makespan(b) <= one.makespan(b) * (1 + 1e-12)
 
 
-def test_single_level_refuses_offloading():
-    with pytest.raises(HChainError, match="single_level"):
-        hcv.solve(hcv.Chain.transformer(4), offload=True, single_level=True)
-
-
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_int_chains())
 def test_optimum_equals_brute_force(chain):

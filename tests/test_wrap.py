@@ -544,10 +544,10 @@ def test_state_dict_has_the_plain_keys_and_loads_both_ways():
     model.load_state_dict(torch.load(buf))
 
 
-def test_schedule_wrap_delegates_and_text_schedules_work():
+def test_text_schedules_work():
     model, x = mlp()
     s = strategies.store_all(Chain.random(5))
-    assert isinstance(s.wrap(model), ScheduledModule)
+    assert isinstance(hcv.wrap(model, s), ScheduledModule)
     w = wrap(model, str(s))
     assert w.schedule.ops == s.ops
     assert "store_all" in repr(hcv.wrap(model, s))
@@ -629,7 +629,7 @@ def offload_schedules_for(L: int) -> dict[str, hcv.Schedule]:
     c = Chain.random(L, seed=L)
     chain = Chain(fwd_time=c.fwd_time, bwd_time=c.bwd_time, x=c.x, xbar=c.xbar, fwd_tmp=c.fwd_tmp,
                   bwd_tmp=c.bwd_tmp, bandwidth=1e12)
-    sol = solve(chain, offload=True, grid=8)
+    sol = hcv.solve_offload(chain, grid=8)
     for b in sol.grid:
         s = sol.schedule(b) if sol.makespan(b) < float("inf") else None
         if s is not None and s.n_transfers and str(s) not in {str(v) for v in out.values()}:

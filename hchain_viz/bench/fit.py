@@ -3,7 +3,7 @@
 For each demo model and optimizer: profile at two batch sizes with the optimizer (``profile_batches``), then at
 batch sizes NOT used for the fit,
 
-1. **whole-step peak**: the predicted ``device_peak`` (``simulate(chain.at_batch(b), schedule)``) against the
+1. **whole-step peak**: the predicted ``device_peak(simulate(at_batch(chain, b), schedule))`` against the
    measured one (``measure(wrap(model, schedule), x, loss, optimizer=opt)``: forward, backward, ``opt.step()``,
    ``zero_grad()``) for store-all and the optimal schedule at two activation budgets (a third and two thirds of the
    way from the least feasible budget to the store-all peak). Goal: within 5%.
@@ -82,6 +82,7 @@ def run(args: list[str]) -> None:
 def _one(name: str, oname: str, dev_name: str, repeats: int) -> tuple[list, list]:
     """The rows of one model with one optimizer."""
     from ..core import device, strategies
+    from ..core.batch import at_batch
     from ..core.simulate import simulate
     from ..core.solver import solve
     from ..core.units import format_bytes
@@ -107,22 +108,23 @@ def _one(name: str, oname: str, dev_name: str, repeats: int) -> tuple[list, list
     peak_rows, batch_rows = [], []
     # 1. whole-step peak at held-out batch sizes
     for b in held_out:
-        cb = chain.at_batch(b)
+        cb = at_batch(chain, b)
         sol = solve(cb)
         lo, hi = sol.min_budget, sol.store_all_peak
         cases = [("store_all", strategies.store_all(cb))]
         cases += [(f"optimal @{k}/3", sol.schedule(lo + k * (hi - lo) // 3)) for k in (1, 2)]
         for what, schedule in cases:
-            pred = simulate(cb, schedule).device_peak
+            pred = device.device_peak(simulate(cb, schedule))
             meas = measured_peak(schedule, b)
             peak_rows.append((label, str(b), what, format_bytes(pred), format_bytes(meas), f"{pred / meas:.3f}"))
             print("  peak:", *peak_rows[-1], flush=True)
     # 2. largest batch on a device where store-all runs out a third of the way up the grid
     mid = grid[len(grid) // 3]
-    dev = simulate(chain.at_batch(mid), strategies.store_all(chain.at_batch(mid))).device_peak + 1
+    at_mid = at_batch(chain, mid)
+    dev = device.device_peak(simulate(at_mid, strategies.store_all(at_mid))) + 1
     for s in device.BATCH_STRATEGIES:
         def fits(b: int, s: str = s) -> bool:
-            cb = chain.at_batch(b)
+            cb = at_batch(chain, b)
             p = device.fit_point(cb, s, dev, margin=0.0)
             return measured_peak(p.schedule if p.fits else _smallest(cb, s), b) <= dev
 

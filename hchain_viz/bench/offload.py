@@ -8,7 +8,7 @@ What it measures and how (docs/design.md §9): NOTE [what bench offload measures
 # NOTE [what bench offload measures]
 # It prints, for resnet_chain, nanogpt, a
 # synthetic chain and a LLaMA-7B-like decoder, at three links (PCIe 4.0 x16, PCIe 5.0 x16, NVLink-C2C) and four budgets
-# each: the remat-only optimal makespan, the remat+offload makespan (``solve(chain, offload=True)``), both as overhead
+# each: the remat-only optimal makespan, the remat+offload makespan (``solve_offload(chain)``), both as overhead
 # over store-all, and the share of the remat-only overhead that offloading removes. The remat-only reference is the
 # DP's answer or, when faster, a schedule of a larger budget's breakpoint that still fits once simulated (the DP rounds
 # sizes up to its slots), so that rounding is not credited to offloading. Then a table of that share averaged over the
@@ -40,7 +40,7 @@ import statistics
 import time
 
 from ..core.chain import BANDWIDTH_LABELS, Chain
-from ..core.offload import _grid, default_grid_size, remat_refined, solve_offload
+from ..core.offload import default_grid_size, grid_budgets, remat_refined, solve_offload
 from ..core.simulate import simulate
 from ..core.solver import solve
 from ..core.units import format_bytes, format_time
@@ -136,7 +136,7 @@ def run(argv: list[str]) -> None:
             c = chain.with_bandwidth(link)
             t0 = time.perf_counter()
             # the default grid, plus the budgets of the table (a budget change reads the grid; it never solves)
-            grid = _grid(remat, remat.store_all_peak, args.grid or default_grid_size(c)) + budgets
+            grid = grid_budgets(remat, remat.store_all_peak, args.grid or default_grid_size(c)) + budgets
             sol = solve_offload(c, grid=grid, remat=remat)
             built = time.perf_counter() - t0
             for b in budgets:

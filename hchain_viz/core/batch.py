@@ -3,82 +3,26 @@ more batch sizes, checked on a batch size not used for the fit.
 
 Every field is fitted per entry as ``a + b·B`` by least squares (exact through two points). Activation sizes are
 usually exactly linear in the batch size; times are roughly so (small batches pay a fixed launch cost, the
-intercept). :func:`fit_batch` builds the fit; ``chain.at_batch(B)`` evaluates it; :func:`fit_error` compares a
-fitted chain with one profiled at the same batch size.
+intercept). :func:`fit_batch` builds the fit (a :class:`~hchain_viz.core.chain.BatchFit` the chain carries);
+``at_batch(chain, B)`` evaluates it; :func:`fit_error` compares a fitted chain with one profiled at the same batch size.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
 
 import numpy as np
 
-from ..errors import HChainError, InvalidChain
-
-if TYPE_CHECKING:
-    from .chain import Chain
-
-#: The chain fields that depend on the batch size; the fixed part (parameters, optimizer state) does not.
-FIELDS = ("fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp")
-
-
-@dataclass(frozen=True)
-class BatchFit:
-    """Per-entry linear fits ``value = intercept + slope · batch`` of every batch-dependent chain field.
-
-    - ``batch``: the batch size the chain carrying this fit is at.
-    - ``sizes``: the batch sizes profiled for the fit.
-    - ``coef``: ``((field, intercepts, slopes), ...)`` for each of :data:`FIELDS`, one pair per entry; and
-      ``"shared"`` for the bytes of the chain's shared tensors (docs/design.md §8) when it has any.
-    """
-
-    batch: int
-    sizes: tuple[int, ...]
-    coef: tuple[tuple[str, tuple[float, ...], tuple[float, ...]], ...]
-
-    def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        set_(self, "batch", check_batch(self.batch))
-        set_(self, "sizes", tuple(check_batch(b) for b in self.sizes))
-        coef = tuple((str(f), tuple(float(v) for v in a), tuple(float(v) for v in s)) for f, a, s in self.coef)
-        given = sorted(f for f, _, _ in coef if f != "shared")
-        if given != sorted(FIELDS):
-            raise InvalidChain(f"batch_fit.coef must give the fields {', '.join(FIELDS)} (and optionally 'shared'), "
-                               f"got {', '.join(f for f, _, _ in coef)}")
-        for f, a, s in coef:
-            if len(a) != len(s) or not all(map(math.isfinite, a + s)):
-                raise InvalidChain(f"batch_fit.coef[{f!r}] needs finite intercepts and slopes of equal length")
-        set_(self, "coef", coef)
-
-    def values(self, batch: int) -> dict[str, list[float]]:
-        """Every field at ``batch``, before rounding (times clipped at 0, sizes not yet rounded)."""
-        return {f: [max(0.0, ai + si * batch) for ai, si in zip(a, s)] for f, a, s in self.coef}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"batch": self.batch, "sizes": list(self.sizes),
-                "coef": {f: {"intercept": list(a), "slope": list(s)} for f, a, s in self.coef}}
-
-    @classmethod
-    def from_dict(cls, d: Any) -> BatchFit:
-        try:
-            coef = tuple((f, tuple(v["intercept"]), tuple(v["slope"])) for f, v in d["coef"].items())
-            return cls(batch=d["batch"], sizes=tuple(d["sizes"]), coef=coef)
-        except (KeyError, TypeError, AttributeError):
-            raise InvalidChain("chain JSON field 'batch_fit' must be an object with 'batch', 'sizes' and 'coef' "
-                               "({field: {'intercept': [...], 'slope': [...]}})") from None
-
-
-def check_batch(b: Any) -> int:
-    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
-        raise HChainError(f"a batch size must be a positive integer, got {b!r}")
-    return int(b)
+from ..errors import HChainError
+from .chain import BATCH_FIELDS, BatchFit, Chain, check_batch, unshared_bytes
+from .simulate import simulate
+from .strategies import store_all
 
 
 def fit_batch(chains: dict[int, Chain], *, batch: int | None = None) -> Chain:
     """Fit every field of the chains profiled at the batch sizes ``chains`` maps from, and return the chain at
-    ``batch`` (default: the smallest profiled size) carrying the fit, so ``.at_batch(b)`` answers any size.
+    ``batch`` (default: the smallest profiled size) carrying the fit, so ``at_batch(chain, b)`` answers any size.
 
     The chains must have the same stages. The fixed part and meta are taken from the chain at the smallest size.
     """
@@ -95,7 +39,7 @@ def fit_batch(chains: dict[int, Chain], *, batch: int | None = None) -> Chain:
             raise HChainError(f"the chain profiled at batch {b} has other shared tensors than the one at batch "
                               f"{sizes[0]}; the model must cut the same way at every size")
     design = np.stack([np.ones(len(sizes)), np.asarray(sizes, dtype=np.float64)], axis=1)
-    values = {f: [getattr(chains[b], f) for b in sizes] for f in FIELDS}
+    values = {f: [getattr(chains[b], f) for b in sizes] for f in BATCH_FIELDS}
     if first.shared:
         values["shared"] = [[t[2] for t in chains[b].shared] for b in sizes]
     coef = []
@@ -107,8 +51,14 @@ def fit_batch(chains: dict[int, Chain], *, batch: int | None = None) -> Chain:
 
 
 def at_batch(chain: Chain, batch: int) -> Chain:
-    """``chain`` at another batch size, from its :class:`BatchFit`. Sizes are rounded up to whole bytes, and each
-    ``xbar[i]`` kept at least ``x[i+1]`` (it contains the stage's output)."""
+    """``chain`` at another batch size, from the :class:`BatchFit` it carries: ``hcv.at_batch(chain, 64)``.
+
+    Sizes are rounded up to whole bytes, and each ``xbar[i]`` kept at least ``x[i+1]`` (it contains the stage's output).
+
+    Raises:
+        HChainError: ``batch`` is not a positive integer, or the chain has no batch-size fit (``fit_batch``,
+            ``hcv.profile_batches``).
+    """
     b = check_batch(batch)
     if chain.batch_fit is None:
         raise HChainError("this chain has no batch-size fit; profile at two or more batch sizes with "
@@ -119,7 +69,6 @@ def at_batch(chain: Chain, batch: int) -> Chain:
     shared = chain.shared
     if "shared" in v:  # a shared tensor is part of every x it crosses: never larger than the smallest of them
         shared = tuple((f, la, min(_whole(s), *x[f:la + 1])) for (f, la, _), s in zip(chain.shared, v["shared"]))
-    from .chain import unshared_bytes  # chain.py imports this module
 
     # Transit and consumed bytes are parts of x[i]: the same share of it at every batch size (rounded down: they are
     # freed), within the bytes no shared tensor holds.
@@ -158,9 +107,6 @@ def fit_error(fitted: Chain, measured: Chain) -> dict[str, float]:
     """Relative errors (fitted / measured - 1) of a fitted chain against one profiled at the same batch size:
     ``store_all_peak`` (simulated activation peak), ``store_all_time`` (sum of stage times), and ``size_max`` (the
     largest error of any single nonzero x / xbar / fwd_tmp / bwd_tmp entry, as an absolute value)."""
-    from .simulate import simulate
-    from .strategies import store_all
-
     if fitted.names != measured.names:
         raise HChainError("fit_error compares chains of the same stages")
     pf, pm = (simulate(c, store_all(c)).peak_memory for c in (fitted, measured))

@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidChain
-from .batch import BatchFit
+from ..errors import HChainError, InvalidChain
 from .fixed import FixedMemory
 from .units import finite_nonnegative, format_bytes, format_time
 
@@ -50,6 +49,63 @@ def bandwidth_of(value: float | str) -> float:
     if isinstance(value, bool) or not (f > 0) or math.isinf(f):
         raise InvalidChain(f"bandwidth must be a positive, finite number of bytes/s, got {value!r}")
     return f
+
+
+#: The chain fields that depend on the batch size; the fixed part (parameters, optimizer state) does not.
+BATCH_FIELDS = ("fwd_time", "bwd_time", "x", "xbar", "fwd_tmp", "bwd_tmp")
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """Per-entry linear fits ``value = intercept + slope · batch`` of every batch-dependent chain field.
+
+    - ``batch``: the batch size the chain carrying this fit is at.
+    - ``sizes``: the batch sizes profiled for the fit.
+    - ``coef``: ``((field, intercepts, slopes), ...)`` for each of :data:`BATCH_FIELDS`, one pair per entry; and
+      ``"shared"`` for the bytes of the chain's shared tensors (docs/design.md §8) when it has any.
+    """
+
+    batch: int
+    sizes: tuple[int, ...]
+    coef: tuple[tuple[str, tuple[float, ...], tuple[float, ...]], ...]
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "batch", check_batch(self.batch))
+        set_(self, "sizes", tuple(check_batch(b) for b in self.sizes))
+        coef = tuple((str(f), tuple(float(v) for v in a), tuple(float(v) for v in s)) for f, a, s in self.coef)
+        given = sorted(f for f, _, _ in coef if f != "shared")
+        if given != sorted(BATCH_FIELDS):
+            raise InvalidChain(f"batch_fit.coef must give the fields {', '.join(BATCH_FIELDS)} (and optionally "
+                               f"'shared'), got {', '.join(f for f, _, _ in coef)}")
+        for f, a, s in coef:
+            if len(a) != len(s) or not all(map(math.isfinite, a + s)):
+                raise InvalidChain(f"batch_fit.coef[{f!r}] needs finite intercepts and slopes of equal length")
+        set_(self, "coef", coef)
+
+    def values(self, batch: int) -> dict[str, list[float]]:
+        """Every field at ``batch``, before rounding (times clipped at 0, sizes not yet rounded)."""
+        return {f: [max(0.0, ai + si * batch) for ai, si in zip(a, s)] for f, a, s in self.coef}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch": self.batch, "sizes": list(self.sizes),
+                "coef": {f: {"intercept": list(a), "slope": list(s)} for f, a, s in self.coef}}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> BatchFit:
+        try:
+            coef = tuple((f, tuple(v["intercept"]), tuple(v["slope"])) for f, v in d["coef"].items())
+            return cls(batch=d["batch"], sizes=tuple(d["sizes"]), coef=coef)
+        except (KeyError, TypeError, AttributeError):
+            raise InvalidChain("chain JSON field 'batch_fit' must be an object with 'batch', 'sizes' and 'coef' "
+                               "({field: {'intercept': [...], 'slope': [...]}})") from None
+
+
+def check_batch(b: Any) -> int:
+    """``b`` as an int when it is a positive integer batch size; else raises HChainError."""
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
+        raise HChainError(f"a batch size must be a positive integer, got {b!r}")
+    return int(b)
 
 
 @dataclass(frozen=True)
@@ -107,9 +163,9 @@ class Chain:
     #: (read :attr:`nograd_tmp_bytes`).
     nograd_tmp: tuple[int, ...] | None = None
     #: the memory no schedule changes (parameters, gradients, optimizer state, buffers, the step's transient, a
-    #: sharding factor, §7); with it ``simulate(...).device_peak`` predicts the whole step.
+    #: sharding factor, §7); with it ``device_peak(simulate(...))`` predicts the whole step.
     fixed: FixedMemory | None = None
-    #: the fields as functions of the batch size (§7.3), for :meth:`at_batch`.
+    #: the fields as functions of the batch size (§7.3), for :func:`~hchain_viz.core.batch.at_batch`.
     batch_fit: BatchFit | None = None
     #: disjoint sorted tuples (two or more) of structurally identical stages whose times were set to the median of
     #: the copies, so that noise does not decide which copy is recomputed (§10.1; ``hcv.profile`` finds them).
@@ -270,12 +326,6 @@ class Chain:
     def batch(self) -> int | None:
         """The batch size this chain is at, when it carries a batch-size fit."""
         return None if self.batch_fit is None else self.batch_fit.batch
-
-    def at_batch(self, batch: int) -> Chain:
-        """This chain at another batch size, from its batch-size fit (see :mod:`hchain_viz.core.batch`)."""
-        from .batch import at_batch
-
-        return at_batch(self, batch)
 
     def with_world_size(self, world_size: int) -> Chain:
         """This chain with its fixed part sharded over ``world_size`` ranks (FSDP / ZeRO-3 style; docs/design.md §7)."""

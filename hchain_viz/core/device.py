@@ -18,24 +18,24 @@ peak dwarfs its optimizer step.
 
 A device size becomes an activation budget by subtracting the allocator margin, ``static`` and *all* gradients
 (the gradients are counted as resident for the whole backward, so the budget is safe: a schedule within it never
-exceeds the device). Store-all is tried first with its exact whole-step peak.
+exceeds the device). :func:`device_schedule` tries store-all first with its exact whole-step peak, then the
+solution's faster schedules down to that safe budget.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import DoesNotFit, HChainError, InfeasibleBudget
+from .batch import at_batch
 from .chain import Chain
 from .schedule import Schedule
 from .simulate import Trace, simulate
+from .solver import Solution, least_budget, solve
 from .strategies import periodic, store_all
 from .units import format_bytes, parse_bytes
-
-if TYPE_CHECKING:
-    from .solver import Solution
 
 #: Common accelerator memory sizes (label -> bytes). Cards are sized in binary units: a "24 GB" card has 24 GiB.
 #: The margin (default 5%) covers what the CUDA context and the allocator's fragmentation take.
@@ -87,7 +87,9 @@ def _fixed_of(chain: Chain):
 
 
 def device_peak(trace: Trace) -> int | None:
-    """The whole step's peak device memory on one rank (bytes), or None when the chain has no fixed part."""
+    """The whole step's peak device memory on one rank (bytes): the chain's fixed part (parameters, gradients as their
+    backwards create them, optimizer state, buffers) plus the activations of ``trace``, and the optimizer step's
+    transient (see the module docstring). None when the chain has no fixed part: ``hcv.device_peak(trace)``."""
     fixed = trace.chain.fixed
     if fixed is None:
         return None
@@ -129,8 +131,6 @@ def least_device_memory(chain: Chain, margin: float = DEFAULT_MARGIN, solution: 
     """A device memory (bytes, margin included) in which :func:`device_schedule` surely finds a schedule (at the
     resolution of ``solution`` when given, else at the exact least activation budget): the least one when every
     gradient is counted as resident through the backward; a slightly smaller device may still fit."""
-    from .solver import least_budget
-
     fixed = _fixed_of(chain)
     sa = device_peak(simulate(chain, store_all(chain)))
     act = least_budget(chain) if solution is None or solution.min_budget is None else solution.min_budget
@@ -154,9 +154,19 @@ def activation_budget(chain: Chain, device_memory: int | str, margin: float = DE
 
 
 def device_schedule(solution: Solution, device_memory: int | str, margin: float = DEFAULT_MARGIN) -> Schedule:
-    """The fastest schedule of ``solution`` whose whole step fits ``device_memory`` with ``margin`` (see the module
-    docstring for how the device size becomes an activation budget). Raises :class:`DoesNotFit`, naming the least
-    device memory that works, when none fits."""
+    """The fastest schedule of ``solution`` whose whole training step (the chain's fixed part plus activations) fits
+    a device: ``hcv.device_schedule(hcv.solve(chain), "24GiB")``. See the module docstring for how the device size
+    becomes an activation budget.
+
+    Args:
+        solution: what :func:`~hchain_viz.core.solver.solve` returns for a chain with its fixed part.
+        device_memory: bytes, or text like ``"24GiB"``.
+        margin: the fraction of the device left to the CUDA context and the allocator.
+
+    Raises:
+        DoesNotFit: nothing fits; the message and ``.min_budget`` name the least device memory that works.
+        HChainError: the chain has no fixed part, or ``device_memory`` / ``margin`` cannot be read.
+    """
     chain = solution.chain
     _fixed_of(chain)
     usable = usable_memory(device_memory, margin)
@@ -187,8 +197,6 @@ def device_schedule(solution: Solution, device_memory: int | str, margin: float 
 def _does_not_fit(chain: Chain, device_memory: Any, margin: float, culprit: str,
                   solution: Solution | None = None) -> DoesNotFit:
     fixed = _fixed_of(chain)
-    from .solver import least_budget
-
     least = least_device_memory(chain, margin, solution)
     usable = usable_memory(device_memory, margin)
     dev = parse_bytes(device_memory)
@@ -199,7 +207,7 @@ def _does_not_fit(chain: Chain, device_memory: Any, margin: float, culprit: str,
         f"is {format_bytes(least_budget(chain))}, the optimizer step's transient "
         f"{format_bytes(fixed.step_tmp_per_rank)}). A device of {format_bytes(least)} "
         f"({least} B) fits; use a larger device, a smaller "
-        f"batch (chain.at_batch(b)), or shard the model (chain.with_world_size(n))",
+        f"batch (hcv.at_batch(chain, b)), or shard the model (chain.with_world_size(n))",
         min_budget=least, budget=dev)
 
 
@@ -236,8 +244,6 @@ def fit_point(chain: Chain, strategy: str, device_memory: int | str, margin: flo
     elif strategy == "checkpoint_sequential":
         candidates = [periodic(chain, n) for n in range(1, chain.length + 1)]
     elif strategy == "optimal":
-        from .solver import solve
-
         try:
             budget = activation_budget(chain, device_memory, margin)
         except DoesNotFit:
@@ -264,8 +270,9 @@ def fit_point(chain: Chain, strategy: str, device_memory: int | str, margin: flo
 
 def batch_sweep(chain: Chain, device_memory: int | str, batches: list[int], margin: float = DEFAULT_MARGIN,
                 strategies: tuple[str, ...] = BATCH_STRATEGIES, *, slots: int = 200) -> dict[str, list[FitPoint]]:
-    """For each strategy, its :class:`FitPoint` at every batch size in ``batches`` (from ``chain.at_batch``)."""
-    chains = [chain.at_batch(b) for b in batches]
+    """For each strategy, its :class:`FitPoint` at every batch size in ``batches`` (the chain from
+    :func:`~hchain_viz.core.batch.at_batch`)."""
+    chains = [at_batch(chain, b) for b in batches]
     return {s: [fit_point(c, s, device_memory, margin, slots=slots) for c in chains] for s in strategies}
 
 
@@ -278,7 +285,7 @@ def largest_batch(chain: Chain, device_memory: int | str, strategy: str = "optim
     ``limit``, by doubling then bisection (memory grows with the batch size, so fitting is monotone).
     """
     def at(b: int) -> FitPoint:
-        return fit_point(chain.at_batch(b), strategy, device_memory, margin, slots=slots)
+        return fit_point(at_batch(chain, b), strategy, device_memory, margin, slots=slots)
 
     if batches is not None:
         fitting = [p for p in (at(b) for b in sorted(batches)) if p.fits]

@@ -1,6 +1,6 @@
 """Recompute or offload: schedules that mix recomputation with copies to host memory (docs/design.md §9.2).
 
-``solve(chain, offload=True)`` (or :func:`solve_offload`) returns an :class:`OffloadSolution`: for each budget, the
+``solve_offload(chain)`` (``hcv.solve_offload``) returns an :class:`OffloadSolution`: for each budget, the
 fastest schedule found among remat-only optima, those optima with ``Off``/``Pre`` pairs added, and remat optima of
 chains whose offloaded x̄ are discounted. It is a heuristic judged by the simulator, never slower than remat-only
 (NOTE [offload heuristic]). Budgets are answered from a precomputed grid (``grid`` budgets from half the remat-only
@@ -52,9 +52,10 @@ from ..errors import HChainError, InfeasibleBudget
 from .chain import Chain
 from .schedule import Op, Schedule
 from .simulate import Trace, simulate
+from .solver import Solution, _check_chain, _read_bytes, solve
 from .units import format_bytes, format_time
 
-__all__ = ["OffloadSolution", "solve_offload", "fit_by_offload", "default_grid_size", "remat_refined"]
+__all__ = ["OffloadSolution", "solve_offload", "fit_by_offload", "default_grid_size", "grid_budgets", "remat_refined"]
 
 _ROUNDS = 4  # cover-and-replay rounds per candidate before giving up on it
 _NEAR, _RATIO = 8, 1.25  # remat-only schedules tried per budget: the 8 nearest breakpoints above it, then sparser
@@ -198,8 +199,6 @@ def _discounted(chain: Chain, remat: Any, slots: int) -> list[tuple[tuple[int, .
     the host from the next forward to its backward), one per set: S is the prefix, of volume at most
     ``_SHARES`` times what the link moves during one forward, of the stages ranked by the compute between the two
     uses of their x̄ (store-all times) per byte, i.e. where a copy hides best."""
-    from .solver import solve
-
     L, f = chain.length, np.asarray(chain.fwd_time, float)
     tail = np.append(np.cumsum((f + np.asarray(chain.bwd_time, float))[::-1])[::-1], 0.0)
     order = sorted((i for i in range(L - 1) if chain.xbar[i] > 0 and tail[i + 2] > 0),
@@ -308,8 +307,6 @@ class OffloadSolution:
 
     def makespan(self, budget: int | str) -> float:
         """Least makespan found (seconds, simulated) within ``budget`` bytes; ``inf`` when nothing fits."""
-        from .solver import _read_bytes
-
         b = _read_bytes(budget)
         remat = self.remat.makespan(b)
         a = self._grid_answer(b)
@@ -318,8 +315,6 @@ class OffloadSolution:
     def schedule(self, budget: int | str) -> Schedule:
         """The fastest schedule found within ``budget`` bytes (remat-only when offloading does not help there).
         Raises :class:`InfeasibleBudget` when none fits."""
-        from .solver import _read_bytes
-
         b = _read_bytes(budget)
         a = self._grid_answer(b)
         remat_t = self.remat.makespan(b)
@@ -364,9 +359,10 @@ def default_grid_size(chain: Chain) -> int:
     return 48
 
 
-def _grid(remat: Any, top: int, n: int) -> list[int]:
-    """``n`` budgets up to ``top``: two below the remat-only least budget (offloading may reach them), the rest
-    from it to ``top``, denser near it, where recomputation costs most and offloading has the most to win."""
+def grid_budgets(remat: Solution, top: int, n: int) -> list[int]:
+    """The budgets :func:`solve_offload` precomputes by default on ``remat`` (the remat-only Solution): ``n`` budgets
+    up to ``top``, two below the remat-only least budget (offloading may reach them), the rest from it to ``top``,
+    denser near it, where recomputation costs most and offloading has the most to win."""
     least = remat.min_budget or top
     u = np.linspace(0.0, 1.0, max(n - 2, 2))
     budgets = [least // 2, (3 * least) // 4] + (least + (top - least) * u ** 1.5).astype(np.int64).tolist()
@@ -451,16 +447,20 @@ def _best_at(chain: Chain, remat: Any, budget: int, discounted: list = ()) -> tu
 
 
 def solve_offload(chain: Chain, max_budget: int | str | None = None, slots: int = 500,
-                  grid: int | Sequence[int] | None = None, remat: Any = None) -> OffloadSolution:
-    """Solve ``chain`` for remat + offload at ``grid`` budgets (see the module docstring for the algorithm).
+                  grid: int | Sequence[int] | None = None, remat: Solution | None = None) -> OffloadSolution:
+    """Solve ``chain`` for recomputation and offloading to host memory, for every budget at once:
+    ``hcv.solve_offload(chain.with_bandwidth("pcie5"))`` (the algorithm: the module docstring, docs/design.md §9.2).
 
-    ``chain.bandwidth`` must be set (``chain.with_bandwidth("pcie5")``). ``grid``: how many budgets to precompute
-    (see :func:`_grid`; each costs a few fits, ~0.1-0.5 s at L = 50; default 48), or the budgets themselves
-    (bytes). Besides, up to five remat-only DPs of discounted chains (step 4; ~1 s each at L = 64).
-    ``remat``: a remat-only Solution of this chain to build on (default: ``solve(chain, max_budget, slots)``).
+    Args:
+        max_budget, slots: as for :func:`~hchain_viz.core.solver.solve`, for the remat-only solution it builds on.
+        grid: how many budgets to precompute (see :func:`grid_budgets`; each costs a few fits, ~0.1-0.5 s at L = 50;
+            default 48), or the budgets themselves (bytes). Besides, up to five remat-only DPs of discounted chains
+            are solved (step 4; ~1 s each at L = 64).
+        remat: a remat-only Solution of this chain to build on (default: ``solve(chain, max_budget, slots)``).
+
+    Raises:
+        HChainError: the chain has no ``bandwidth``, or ``grid`` is neither a count >= 2 nor a list of budgets.
     """
-    from .solver import _check_chain, solve
-
     chain = _check_chain(chain)
     if chain.bandwidth is None:
         raise HChainError("offloading needs the device-host bandwidth: use chain.with_bandwidth('pcie5') (presets: "
@@ -471,7 +471,7 @@ def solve_offload(chain: Chain, max_budget: int | str | None = None, slots: int 
     if grid is None:
         grid = default_grid_size(chain)
     if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool) and grid >= 2:
-        budgets = _grid(remat, top, int(grid))
+        budgets = grid_budgets(remat, top, int(grid))
     elif isinstance(grid, Sequence) and grid and all(isinstance(b, (int, np.integer)) and b > 0 for b in grid):
         budgets = sorted({int(b) for b in grid})
     else:

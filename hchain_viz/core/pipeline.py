@@ -33,6 +33,7 @@ from .chain import Chain, bandwidth_of
 from .fixed import FixedMemory
 from .schedule import Schedule
 from .simulate import Trace, simulate
+from .solver import _check_chain, solve
 from .strategies import per_layer, recompute_all, store_all
 from .units import format_bytes, format_time, parse_bytes
 
@@ -439,8 +440,6 @@ class _Planner:
     simulated as a :class:`StageRun` only when a memory limit reaches it (its peak bounds every need from below)."""
 
     def __init__(self, chain: Chain, slots: int) -> None:
-        from .solver import solve
-
         self.chain, self.slots, self._solve = chain, slots, solve
         self.units = split_units(chain)
         self._cands: dict[tuple, list[_Candidate]] = {}
@@ -532,8 +531,6 @@ class Pipeline:
 
     def __init__(self, chain: Chain, devices: int, schedule: str = "1F1B", *, bandwidth: float | str | None = None,
                  slots: int = 200) -> None:
-        from .solver import _check_chain
-
         self.chain = _check_chain(chain)
         self.kind = pipeline_kind(schedule)
         self.devices = _check_int(devices, "devices", "the number of pipeline stages")

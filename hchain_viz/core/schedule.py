@@ -156,13 +156,6 @@ class Schedule:
         """Read a schedule from JSON text or a file path."""
         return cls.from_dict(read_json(text_or_path, InvalidSchedule, "schedule"))
 
-    # ------------------------------------------------------------------ execution
-    def wrap(self, model: Any, **kwargs: Any) -> Any:
-        """Same as ``hcv.wrap(model, self)``: an ``nn.Module`` that trains by this schedule."""
-        from ..runtime.wrap import wrap
-
-        return wrap(model, self, **kwargs)
-
 
 def make_schedule(ops: Iterable[tuple[str, int]], **meta: Any) -> Schedule:
     """Build a Schedule from ``(kind, stage)`` pairs (checked, and made Ops, by ``Schedule`` itself)."""

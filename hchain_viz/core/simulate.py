@@ -123,7 +123,8 @@ class Idle(NamedTuple):
 
 @dataclass(frozen=True)
 class Trace:
-    """The simulated run of ``schedule`` on ``chain``: one :class:`Event` per op."""
+    """The simulated run of ``schedule`` on ``chain``: one :class:`Event` per op. ``peak_memory`` counts activations;
+    the whole step with the chain's fixed part is :func:`hchain_viz.core.device.device_peak` (docs/design.md §7)."""
 
     chain: Chain
     schedule: Schedule
@@ -174,15 +175,6 @@ class Trace:
     @property
     def peak_memory(self) -> int:
         return max([self.initial_memory] + [e.mem_peak for e in self.events])
-
-    @property
-    def device_peak(self) -> int | None:
-        """The whole step's peak device memory per rank: the chain's fixed part (parameters, gradients as their
-        backwards create them, optimizer state, buffers) plus the activations, and the optimizer step's transient
-        (docs/design.md §7; :func:`hchain_viz.core.device.device_peak`). None when the chain has no fixed part."""
-        from .device import device_peak
-
-        return device_peak(self)
 
     @property
     def peak_index(self) -> int:

@@ -978,24 +978,13 @@ class Solution:
         """Least makespan (seconds) within ``budget`` bytes; ``inf`` when nothing fits."""
         return self._answer(self._budget(budget))[0]
 
-    def schedule(self, budget: int | str | None = None, *, device_memory: int | str | None = None,
-                 margin: float = 0.05) -> Schedule:
+    def schedule(self, budget: int | str) -> Schedule:
         """The optimal schedule within ``budget`` bytes of activations (budgets above ``max_budget`` are answered as
         ``max_budget``). Raises :class:`~hchain_viz.errors.InfeasibleBudget` (with ``.min_budget``) when none fits.
 
-        Or give ``device_memory`` (e.g. ``"24GiB"``) instead of ``budget``: the fastest schedule whose whole training
-        step — the chain's fixed part plus activations — fits that device after an allocator ``margin`` (a fraction
-        of it); see :func:`hchain_viz.core.device.device_schedule`. Raises
-        :class:`~hchain_viz.errors.DoesNotFit` naming the least device memory when nothing fits.
+        For a whole device instead (the chain's fixed part plus activations), use
+        :func:`hchain_viz.core.device.device_schedule`: ``hcv.device_schedule(solution, "24GiB")``.
         """
-        if device_memory is not None:
-            if budget is not None:
-                raise HChainError("give either budget (activation bytes) or device_memory (the whole device), not both")
-            from .device import device_schedule
-
-            return device_schedule(self, device_memory, margin)
-        if budget is None:
-            raise HChainError("schedule() needs a budget (activation bytes, e.g. '300MiB') or device_memory=...")
         requested = _read_bytes(budget)
         b = min(requested, self.max_budget)
         _, which = self._answer(b)
@@ -1306,14 +1295,10 @@ def least_budget(chain: Chain) -> int:
                                                 z["nograd_tmp"], z["bwd_tmp"]))
 
 
-def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *, offload: bool = False,
-          grid: Any = None, threads: int | None = None, single_level: bool = False) -> Solution:
-    """Solve ``chain`` for every budget up to ``max_budget`` at once.
-
-    ``offload=True``: also offload to host memory over ``chain.bandwidth`` (docs/design.md §9) and return an
-    :class:`~hchain_viz.core.offload.OffloadSolution` with the same ``makespan`` / ``schedule`` / ``frontier``
-    methods, precomputed at ``grid`` budgets (default 48; see ``core/offload.py``: a heuristic judged by the
-    simulator, never slower than this remat-only optimum).
+def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *, threads: int | None = None,
+          single_level: bool = False) -> Solution:
+    """Solve ``chain`` for every budget up to ``max_budget`` at once (recomputation only; offloading to host memory
+    as well: :func:`hchain_viz.core.offload.solve_offload`, docs/design.md §9).
 
     ``max_budget``: bytes (int) or text like ``"300MiB"``; default the store-all peak, above which nothing gets
     faster. ``slots``: the memory resolution (capped at ``max_budget``, which makes integer sizes exact): half of it
@@ -1330,13 +1315,6 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
     low budgets nest regions, which a compiled backward collapses.
     """
     chain = _check_chain(chain)
-    if offload and single_level:
-        raise HChainError("single_level=True is for the native form (torch.compile of the whole model), which has no "
-                          "offloading; solve with one of offload=True or single_level=True")
-    if offload:
-        from .offload import solve_offload
-
-        return solve_offload(chain, max_budget, slots, grid)  # type: ignore[return-value]
     slots = _check_slots(slots)
     peak = store_all_peak(chain)
     if max_budget is None:

@@ -2,8 +2,8 @@
 
 ``profile_batches(model, make_batch, sizes=(8, 16))`` profiles at each size, fits every per-stage time and size as
 ``a + b·B`` (:func:`~hchain_viz.core.batch.fit_batch`), profiles once more at a held-out ``check`` size and records
-how far the fit is from it in ``chain.meta["batch_fit_check"]``. The returned chain answers ``chain.at_batch(B)``
-for any B.
+how far the fit is from it in ``chain.meta["batch_fit_check"]``. ``hcv.at_batch(chain, B)`` gives the returned chain
+at any batch size B.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..core.batch import check_batch, fit_batch, fit_error
+from ..core.batch import at_batch, check_batch, fit_batch, fit_error
 from ..core.chain import Chain
 from ..errors import HChainError, ProfileError
 from .profile import profile
@@ -68,7 +68,7 @@ def profile_batches(model: Any, make_batch: Callable[[int], Any], sizes: Sequenc
     if check:
         x, loss_fn = batch_of(make_batch, check)
         measured = profile(model, x, loss_fn, **profile_kwargs)
-        err = fit_error(fitted.at_batch(check), measured)
+        err = fit_error(at_batch(fitted, check), measured)
         fitted.meta["batch_fit_check"] = {"batch": check, **err}
     fitted.meta["batch_sizes"] = sizes
     return fitted

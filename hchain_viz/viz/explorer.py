@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..core import device as D
+from ..core.batch import at_batch
 from ..core.chain import Chain
 from ..core.schedule import Schedule
 from ..core.simulate import simulate
@@ -320,7 +321,7 @@ class Explorer:
     def batch(self, value: int) -> None:
         if self._base_chain.batch_fit is None:
             raise HChainError("this chain has no batch-size fit; profile it with hcv.profile_batches(...)")
-        self._set_chain(self._base_chain.at_batch(value))
+        self._set_chain(at_batch(self._base_chain, value))
         self._budget = min(max(self._budget, self.min_budget), self.max_budget)
         if self._device is not None:
             self._set_device(self._device)
@@ -375,7 +376,7 @@ class Explorer:
         head = (f"{format_bytes(dev)} device, {100 * self._margin:g}% margin: {format_bytes(usable)} usable; fixed "
                 f"part {self.chain.fixed.describe()}")
         try:
-            sched = self.solution.schedule(device_memory=dev, margin=self._margin)
+            sched = D.device_schedule(self.solution, dev, self._margin)
         except DoesNotFit as e:
             self._device_fits = False
             self._device_note = f"{e}"[0].upper() + f"{e}"[1:]
@@ -384,7 +385,7 @@ class Explorer:
         budget = min(max(int(sched.meta.get("budget", self.max_budget)), self.min_budget), self.max_budget)
         self._budget = budget
         self._strategy = OPTIMAL
-        peak = simulate(self.chain, sched).device_peak
+        peak = D.device_peak(simulate(self.chain, sched))
         self._device_note = (f"{head}. Fits: the optimal schedule at {format_bytes(budget)} of activations, "
                              f"whole-step peak {format_bytes(peak)} ({100 * peak / dev:.0f}% of the device)")
 
@@ -823,7 +824,7 @@ class Explorer:
         cells = "".join(
             f"<tr><td><b>{html.escape(name)}</b></td><td>{format_time(v.makespan)}</td>"
             f"<td>{100 * v.trace.overhead:+.1f}%</td>{peak(v)}"
-            + (f"<td>{format_bytes(v.trace.device_peak)}</td>" if whole else "")
+            + (f"<td>{format_bytes(D.device_peak(v.trace))}</td>" if whole else "")
             + f"<td>{v.trace.n_recomputed}</td><td>{v.n}</td></tr>" for name, v in rows)
         if len(rows) == 1:  # the compare row is always there, so that turning compare on moves nothing
             cells += "<tr class='hcv-none'><td>compare: none</td>" + "<td></td>" * (6 if whole else 5) + "</tr>"
