@@ -121,7 +121,7 @@ class Schedule:
     def single_level(self) -> bool:
         """No stage is forwarded more than twice: each is recomputed at most once, so every checkpoint region holds
         plain stages only (what ``solve(chain, single_level=True)`` returns, and what torch.compile runs as
-        scheduled, ``runtime/native.py``)."""
+        scheduled, ``core/regions.py``)."""
         count: dict[int, int] = {}
         for op in self.ops:
             if op.is_forward:

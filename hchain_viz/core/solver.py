@@ -998,6 +998,23 @@ class Solution:
             return self._finish(which[3].ops, meta)
         return self._slot_schedule(which, meta)
 
+    def refined(self, budget: int | str) -> Schedule:
+        """:meth:`schedule` or :func:`optimal_schedule` at ``budget``, whichever is faster (simulated): the answer
+        for one budget, about a second of solving more (docs/design.md §4.4). The tables answer within 1% of
+        it on chains up to a few hundred stages; longer ones are solved coarser to build in time."""
+        first = self.schedule(budget)
+        b = min(_read_bytes(budget), self.max_budget)
+        if first.meta["source"] != "dp" or b >= self.store_all_peak or self.single_level:
+            return first
+        try:
+            other = optimal_schedule(self.chain, b, self.slots)
+        except InfeasibleBudget:  # the finer table's rounding misses what the exact least-budget schedule fits
+            return first
+        if other.meta["predicted_makespan"] < first.meta["predicted_makespan"]:
+            other.meta.update(budget=first.meta["budget"], source="dp-refined")
+            return other
+        return first
+
     def _dp_schedule(self, budget: int) -> Schedule:
         """The table's own answer at ``budget`` bytes (no baseline check): the fastest of its schedules whose exact
         peak fits."""
@@ -1311,7 +1328,7 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
 
     ``single_level=True``: the optimum over schedules that recompute each stage at most once (every checkpoint region
     on the spine, its stages recomputed plainly; no region inside a region), in O(slots·L²). ``torch.compile`` of the
-    whole model runs exactly these as scheduled (``runtime/native.py``, NOTE [compiled memory]); the full optimum's
+    whole model runs exactly these as scheduled (``core/regions.py``, NOTE [compiled memory]); the full optimum's
     low budgets nest regions, which a compiled backward collapses.
     """
     chain = _check_chain(chain)
