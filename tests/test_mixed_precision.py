@@ -394,6 +394,11 @@ def _fsdp_hf_worker(rank: int, world: int, out_dir: str, name: str, schedule_jso
         model(**batch).loss.backward()
     except hcv.HChainError as e:
         refused["applied first"] = (type(e).__name__, str(e))
+    model, batch = sharded(True)
+    try:  # hcv.wrap calls the stages, never the model: no FSDP2 hook would gather or reduce-scatter around them
+        hcv.wrap(model, hcv.Schedule.from_json(schedule_json))(batch)
+    except hcv.HChainError as e:
+        refused["wrapped"] = (type(e).__name__, str(e))
     model, batch = _model(name)
     for layer in model.model.layers if name == "llama" else model.transformer.h:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -412,7 +417,8 @@ def test_fsdp2_bf16_on_a_hugging_face_model_trains_like_the_plain_sharded_model_
     reduce_dtype=float32), then hcv.apply: the traced stages read the parameters FSDP2 gathers, in bfloat16; the
     losses and the gathered gradients are those of the same sharded model without a schedule, bitwise (GPT-2's
     tied embedding and dropout included), and every parameter is resharded after the backward. Applied before
-    fully_shard, or the layers sharded without the model, is refused plainly."""
+    fully_shard, the layers sharded without the model, or a sharded model wrapped (hcv.wrap calls the stages, not
+    the model, so no FSDP2 hook gathers or reduce-scatters) is refused plainly."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -433,6 +439,8 @@ def test_fsdp2_bf16_on_a_hugging_face_model_trains_like_the_plain_sharded_model_
                 assert _bitwise(ga, gp), sharding
         kind, message = record["refused"]["applied first"]
         assert kind == "ScheduleMismatch" and "parameters sharded" in message
+        kind, message = record["refused"]["wrapped"]
+        assert kind == "NotSequentialError" and "this is not its training call" in message
         kind, message = record["refused"]["layers only"]
         assert kind == "ScheduleMismatch" and "fully_shard(model)" in message
     # the gradients were reduced: both ranks (different halves of the batch) hold the same full gradients

@@ -71,12 +71,18 @@ def _sharding_hooks_off(model: nn.Module) -> Iterator[None]:
     An applied schedule traces its stages inside the training call, where FSDP2's root pre-forward hook has already
     put the gathered (``param_dtype``) parameters in place. Fired again inside ``torch.export``, the hooks would
     all-gather under fake tensors and mark the root's forward as ended midway. Nested FSDP2 modules (one per layer)
-    are gathered here instead, as :class:`~.build.GraphStage` gathers them at each call."""
+    are gathered here instead, as :class:`~.build.GraphStage` gathers them at each call.
+
+    Raises:
+        TypeError: outside the model's own FSDP2 forward (``hcv.wrap``, ``hcv.profile``, or the model itself not
+            ``fully_shard``-ed): no FSDP2 hook would gather its parameters or reduce-scatter the gradients.
+    """
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded by it
     sharded = [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)] if fsdp is not None else []
     if not sharded:
         yield
         return
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     def theirs(hook: Any) -> bool:  # FSDP2 registers bound methods of its per-module state
@@ -86,9 +92,19 @@ def _sharding_hooks_off(model: nn.Module) -> Iterator[None]:
     for m, pre, post in kept:  # filtered copies; the dicts themselves are put back as they were
         m.__dict__["_forward_pre_hooks"] = OrderedDict((k, h) for k, h in pre.items() if not theirs(h))
         m.__dict__["_forward_hooks"] = OrderedDict((k, h) for k, h in post.items() if not theirs(h))
-    for m in sharded:  # nested ones (per layer) are not gathered by the root's hook: gathered here, as the stages do
-        m.unshard()
     try:
+        # Only inside the model's own FSDP2 forward (hcv.apply's training call) are its parameters gathered, and its
+        # backward ends with FSDP2's reduce-scatter of every gradient: anywhere else the stages would train copies
+        state = model._get_fsdp_state() if isinstance(model, fsdp.FSDPModule) else None
+        if state is None or state._training_state != TrainingState.FORWARD:
+            raise TypeError(
+                "the model is sharded by FSDP2 (fully_shard) and this is not its training call: its stages are traced "
+                "inside the training call of hcv.apply, where FSDP2 gathers the parameters. Call fully_shard on the "
+                "model itself (after its layers), then hcv.apply(model, schedule) with a schedule profiled on an "
+                "unsharded copy")
+        for m in sharded:
+            if m is not model:
+                m.unshard()
         yield
     finally:
         for m, pre, post in kept:
