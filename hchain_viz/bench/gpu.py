@@ -4,32 +4,14 @@
     python -m hchain_viz bench gpu --device cpu --quick      # developers: a dry run of every section, tiny sizes
 
 The report goes to ``--out``, else to ``$OUT/gpu-report.md`` when ``$OUT`` is set, else to ``./gpu-report.md``; it is
-also printed at the end. Sections, in order:
+also printed at the end. Sections (``--sections``, in this order; what each measures: docs/gpu.md): ``env``,
+``pytest``, ``fidelity``, ``train``, ``sublayer``, ``fixed``, ``amp``, ``pipeline``, ``native``.
 
-- ``env``: GPU name and memory, torch, CUDA and cuDNN versions, the other packages;
-- ``pytest``: ``pytest -m cuda`` on the test files that hold CUDA tests, with pass / fail / skip counts;
-- ``fidelity``: resnet_chain, nanogpt and Hugging Face GPT-2 (from a config) at sizes whose activations take hundreds
-  of MiB: predicted (simulator) vs measured activation peak — measured is ``torch.cuda.max_memory_allocated`` above
-  the level before the step, plus the input x_0 that the simulator counts too — and predicted vs measured step time
-  (CUDA events), at store-all and at 4 optimal budgets;
-- ``train``: ``bench train`` on CUDA (optimal vs ``checkpoint_sequential`` at equal measured memory, store-all
-  executor vs eager);
-- ``sublayer`` and ``fixed``: the fidelity table at sub-layer granularity (with the comparison against
-  ``checkpoint_sequential``) and with the whole step's fixed memory (AdamW);
-- ``amp``: nanoGPT under ``torch.autocast`` to bfloat16, and to float16 with ``torch.amp.GradScaler``: the applied
-  schedule's losses and gradients against plain training in the same precision, then the fidelity table profiled
-  and measured under that autocast (bfloat16 with the comparison against ``checkpoint_sequential``);
-- ``pipeline``: a GPT-style decoder profiled on the GPU with AdamW at the microbatch size; for P = 2 and 4 pipeline
-  stages (1F1B), the plan's predicted per-stage peaks (fixed, in flight, working) and step time at the least
-  per-device memory and halfway to store-all, against both baselines: predictions only, one device being there;
-- ``native``: ``bench compile --native`` on nanoGPT on the GPU: the schedule as checkpoint regions, the whole model
-  compiled by inductor, against ``torch.compile``'s ``activation_memory_budget`` at equal measured memory.
-
-Every section runs in its own process under a time box: a hang, a CUDA error or a traceback in one is written into
-the report and never loses the others, and what a section finished before its time box ran out is kept. A section
-that needs a missing package says "skipped: ..." in one line. The whole run is bounded by ``--total`` seconds
-(default 580, under the 10 minutes a call may take on the lent GPU). Without CUDA the command stops at once, with
-one line. The path imports no plotly, ipywidgets or anywidget (the GPU machine has none).
+Every section runs in its own process under a time box (``SECTIONS``): a hang, a CUDA error or a traceback in one is
+written into the report and never loses the others, nor what the section finished in time. A section that needs a
+missing package says "skipped: ..." in one line. ``--total`` bounds the whole run (default ``TOTAL_S``). Without CUDA
+the command stops at once, with one line. The path imports no plotly, ipywidgets or anywidget (the GPU machine has
+none).
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Benchmark of the optimal solver: DP table build time and memory, one schedule rebuild, cold start.
 
-``python -m hchain_viz bench solver [--quick] [--reps N]`` prints one table: for each chain length L and resolution
-(slots), the median build time of ``solve`` after a warm-up, the memory of the tables while building (float64 times
-+ int16 choices) and kept afterwards (the choices), and the median time of ``Solution.schedule`` at a mid-range
-budget. Then the cost of a fresh process (import + first solve of L=100), with Numba's cache empty and warm.
-Chains are ``Chain.random(L, seed=0)``. Timings are wall-clock, with the build's CPU time beside it: the table fill
-runs on one thread per free core (``solver.solver_threads``), so CPU time is up to that many times the wall time; on
-a shared machine both are noisy, and the old and new code are best compared side by side in one run.
+    python -m hchain_viz bench solver [--quick] [--reps N]   # build time and memory per (L, slots), rebuild, start-up
+    python -m hchain_viz bench solver --limit                # near the memory limit: tables vs optimal_schedule
+    python -m hchain_viz bench solver --threads              # thread counts side by side, then with a busy core
 
-``--limit``: answers near the memory limit (issue 43): on the shipped chains (``hchain_viz.examples``) and three
-random chains that were far off at the least budget (``LIMIT_RANDOM``), at 1.000,
-1.005, 1.01, 1.05, 1.10 and 1.3x the least budget, the overhead over store-all (simulated) of ``Solution.schedule``
-(what the slider, compare, export and ``hcv.checkpoint`` use) beside ``optimal_schedule``'s, the answer's source, and
-the slider's cost of one move (``Solution.schedule`` + ``simulate``, median of 20), and the first answer's (the
-near-limit table and the baselines, computed on first use).
-
-``--threads``: the thread-count options side by side (issue 24: a solver that holds up on a busy machine): for each
-L, interleaved rounds of ``solve(chain, threads=1)``, ``threads=2`` and the default (the free cores, see
-``solver.solver_threads``), first as the machine is, then with one extra busy process (``while True: pass``) that
-this benchmark starts and ends; medians, the spread (half the range over the median) and each option's ratio to one
-thread in the same phase.
+Chains are ``Chain.random(L, seed=0)``; timings are wall-clock with the build's CPU time beside it (the table fill
+runs on one thread per free core, ``solver.solver_threads``). What each column means, and the runs:
+docs/benchmarks.md ("Solver speed").
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Will it fit: a training step's whole device memory, device sizes as budgets, and the largest batch (design.md §7).
 
-The DP and the simulator work on activation memory (§3). A device holds more: the chain's fixed part
-(:class:`~hchain_viz.core.fixed.FixedMemory`: parameters, gradients, optimizer state, buffers). Over one step:
-
-- forward: parameters, optimizer state and buffers (``static``) plus the activations, and under autocast the 16-bit
-  weight copies of every stage run so far (``FixedMemory.stage_casts``, freed by the stage's backward);
-- backward ``B(i)``: as the forward, plus the gradients of every stage whose backward has run, ``B(i)``'s included
-  (PyTorch creates a parameter's ``.grad`` during its stage's backward, and ``zero_grad()`` frees them after the
-  step);
-- ``optimizer.step()``: ``static`` plus every gradient, plus what the activations leave at the end of the step (the
-  input, the held output, the input gradient), plus the step's own transient ``step_tmp``; autocast's weight copies
-  are gone by then (docs/design.md §11).
-
-``device_peak(trace)`` is the largest of these over the step, per rank. Whether the optimizer step or the backward
-sets the peak depends on the model: Adam's transient on a wide MLP outweighs its activations; a CNN's backward
-peak dwarfs its optimizer step.
-
-A device size becomes an activation budget by subtracting the allocator margin, ``static`` and *all* gradients
-(the gradients are counted as resident for the whole backward, so the budget is safe: a schedule within it never
-exceeds the device). :func:`device_schedule` tries store-all first with its exact whole-step peak, then the
-solution's faster schedules down to that safe budget.
+The DP and the simulator work on activation memory (§3); a device also holds the chain's fixed part
+(:class:`~hchain_viz.core.fixed.FixedMemory`: parameters, gradients, optimizer state, buffers).
+:func:`device_peak` is the largest whole-step memory over one step, per rank, phase by phase: the forward, each
+backward ``B(i)`` and ``optimizer.step()`` (what each phase holds: docs/design.md §7.1). :func:`device_schedule` turns
+a device size into a safe activation budget (the margin, ``static`` and *all* gradients subtracted) and tries
+store-all first with its exact whole-step peak, then the solution's faster schedules down to that budget (§7.2).
 """
 
 from __future__ import annotations
@@ -89,7 +75,7 @@ def _fixed_of(chain: Chain):
 def device_peak(trace: Trace) -> int | None:
     """The whole step's peak device memory on one rank (bytes): the chain's fixed part (parameters, gradients as their
     backwards create them, optimizer state, buffers) plus the activations of ``trace``, and the optimizer step's
-    transient (see the module docstring). None when the chain has no fixed part: ``hcv.device_peak(trace)``."""
+    transient (docs/design.md §7.1). None when the chain has no fixed part: ``hcv.device_peak(trace)``."""
     fixed = trace.chain.fixed
     if fixed is None:
         return None

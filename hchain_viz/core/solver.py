@@ -4,28 +4,14 @@
 answers any budget from the schedules the tables hold (``makespan``) and rebuilds the op list from the stored choices
 (``schedule``), so a slider over budgets never re-solves.
 
-Two tables, sizes in *slots* (``unit = max_budget / slots`` bytes, rounded to whole slots; with integer sizes and
-``slots == max_budget`` the solver is exact):
-
-- ``C[m, i, l]`` (``l < L``): least time to run forward and backward of stages ``i..l`` within ``m``, x_i held by the
-  caller, δ_{l+1} resident and charged. Options: the *chain* option ``Fall(i) [i+1..l] B(i)``, or the *leaf* option
-  with a checkpoint at ``j``: ``Fck(i) Fn(i+1..j-1) [j..l] [i..j-1]``.
-- ``D[m, i]``: the same for the spine ``i..L`` that contains the loss (and creates the held output x_L).
-
-The recurrences, guards, the two corrections to the published Rotor code, and how budgets are rounded to slots are
-in docs/design.md §4; the kernels below follow them line by line. What a schedule of the tables needs is counted
-again in exact bytes (``_peaks``): a :class:`Solution` answers a budget with the fastest schedule whose exact peak
-fits it, from a table over the whole range, a finer one over its bottom, the fastest schedule at exactly the
-least budget (``_least_tree``), and, computed on first use, a far finer table up to 2% above the least budget
-(``Solution._near_limit_front``). Tensors shared by several cuts (``chain.shared``, design.md §8: the residual stream
-inside a layer) are counted once, as the simulator counts them: the DP charges each value what it adds beside the
-value it was computed from, which is resident whenever the DP's schedules hold it (:func:`dp_sizes`). This keeps the
-DP exact (checked against the exhaustive search with shared tensors); with ``chain.shared == ()`` nothing changes.
-What the optimum is over: every schedule whose checkpoints *persist* (an x_k kept by
-``Fck(k)`` stays until ``B(k)`` frees it) — checked against an exhaustive search of that class. The simulator also
-accepts schedules that later drop such a checkpoint with ``Fn(k)`` and recompute it from an earlier one; on some
-heterogeneous chains and budgets those are faster (tests/test_solver.py keeps a counter-example), and no search over
-them fits the O(S·L³) budget of this solver. The least feasible budget is exact over all schedules.
+The tables (``C[m, i, l]`` for a sub-chain that ends before the loss, ``D[m, i]`` for the spine that holds it), in
+*slots*, their options, recurrences and guards, the two corrections to the published Rotor code, and the rounding of
+budgets to slots are docs/design.md §4.1, §4.2 and §4.4; the kernels below follow them line by line. A
+:class:`Solution` answers a budget with the fastest schedule whose exact peak (``_peaks``) fits it, from the tables
+over the whole range, its bottom and the ladder between, the fastest schedule at exactly the least budget
+(``_least_tree``) and, on first use, a far finer table near the limit (``Solution._near_limit_front``; §4.4). Shared
+tensors (``chain.shared``, §8) are counted once (:func:`dp_sizes`, §4.1). The optimum is over schedules whose
+checkpoints persist (§3.5); the least feasible budget is exact over all schedules.
 
 Heavy lifting is in private Numba kernels over plain arrays (``_fill_table``, ``_rebuild``, and ``_least_memory``:
 the least feasible budget, by the same recurrences with max/min in place of +/min); the public functions validate
@@ -645,30 +631,35 @@ def _least_tree(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, Cc, Dc): 
     return Dm[0], Dt[0]
 
 
+# NOTE [filling the tables] (docs/design.md §4.3)
+# - Order: stages i descending, in blocks of _BLOCK; for each block, its own columns l, then l ascending in tiles of
+#   _TILE (``_tile``); then every entry read is final (C[j, l] has j > i, C[i, j-1] has j-1 < l; sizes of 0 read the
+#   same m of those rows). m is innermost. The spine D comes last.
+# - Tie rule (the twin in tests/oracles.py follows it): among leaf options the least time wins, the smallest j on
+#   equal time; the chain option wins unless the best leaf is faster by more than _TIE_RTOL (relative).
+# - Pruning (exact: the tables are bit-for-bit those of the plain loops): a leaf is skipped at the budgets where its
+#   least possible time already exceeds a known schedule's (_useful_end).
+# - Threads (``_wavefront``) take whole blocks, and a tile waits only for the same columns of the block above it, so
+#   the tables do not depend on the thread count, and a thread that waits sleeps instead of spinning.
 def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, Cch, D, Dch, threads: int,
                 single_level: bool = False) -> None:
-    """Fill C (rows: pairs (i, l), see ``_row``; columns m = 0..S) and D (rows i = 0..L) with their choices, on
-    ``threads`` threads. Sizes in slots (see ``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes the gradients
-    δ; ``xs[i, j]`` the part of x_j not in x_i, what x_j costs while x_i is resident (design.md §8); ``xbar`` the
-    part of x̄_{i+1} not in x_i; ``tr[i]`` the transit part of x_i (rounded down), which Fall(i) frees; ``co[i]`` its
-    consumed part (rounded down), which B(i) frees. ``call``: seconds of a backward call (``chain.backward_call``),
-    charged to each leaf option, whose checkpoint x_j starts a graph of its own; the chain option joins Fall(i+1)
-    to stage i's graph (see ``simulate._joins``). The top-level call is the caller's to add.
+    """Fill C and D and their choices in place, on ``threads`` threads (docs/design.md §4.2, §4.3).
 
-    Order: stages i descending, in blocks of _BLOCK; for each block, its own columns l, then l ascending in tiles of
-    _TILE (``_tile``); then every entry read is final (C[j, l] has j > i, C[i, j-1] has j-1 < l; sizes of 0 read the
-    same m of those rows). m is innermost. The spine D comes last.
+    Args:
+        x, xs, xbar, tr, co, ftmp, ntmp, btmp: sizes in slots (``_slot_sizes``): ``x`` (L+2 entries, x[L+1] = 0) sizes
+            the gradients δ; ``xs[i, j]`` the part of x_j not in x_i, what x_j costs while x_i is resident (§8);
+            ``xbar`` the part of x̄_{i+1} not in x_i; ``tr[i]`` / ``co[i]`` the transit / consumed part of x_i
+            (rounded down), which Fall(i) / B(i) frees; the temporaries of Fall, of Fck/Fn and of B.
+        fwd, bwd: per-stage seconds.
+        call: seconds of a backward call (``chain.backward_call``), charged to each leaf option, whose checkpoint
+            x_j starts a graph of its own; the chain option joins Fall(i+1) to stage i's graph (``simulate._joins``).
+            The top-level call is the caller's to add.
+        C, Cch, D, Dch: the tables and their choices (C's rows: pairs (i, l), see ``_row``; columns m = 0..S; D's rows
+            i = 0..L).
+        threads: threads for C's blocks (``_wavefront``); the tables do not depend on the count.
+        single_level: C without leaf options (``_fill_chains``), one thread; the spine as always.
 
-    Tie rule (the twin in tests/oracles.py follows it): among leaf options the least time wins, the smallest j on
-    equal time; the chain option wins unless the best leaf is faster by more than _TIE_RTOL (relative).
-
-    Pruning (exact: the tables are bit-for-bit those of the plain loops): a leaf is skipped at the budgets where its
-    least possible time already exceeds a known schedule's (_useful_end).
-
-    Threads (``_wavefront``) take whole blocks, and a tile waits only for the same columns of the block above it, so
-    the tables do not depend on the thread count, and a thread that waits sleeps instead of spinning.
-
-    ``single_level``: C without leaf options (``_fill_chains``), one thread; the spine as always.
+    Order, tie rule and pruning: NOTE [filling the tables] above.
     """
     k = _kernels()
     L = xbar.shape[0]

@@ -96,6 +96,19 @@ from .stages import sequentialize
 __all__ = ["profile"]
 
 
+# NOTE [profile's options] (what the arguments of :func:`profile` change, and what ``chain.meta`` records):
+# - ``estimate_for``: sizes stay measured, times are roofline estimates; ``meta["times"]`` says "estimate", and
+#   ``meta["measured_fwd_time"]`` / ``["measured_bwd_time"]`` keep the measured ones.
+# - ``optimizer``, ``world_size``: ``Chain.fixed``, the whole step's memory, measured by two real steps undone
+#   afterwards (docs/design.md §7).
+# - ``compile``, ``selective``: untimed warm-up runs compile the graphs; ``meta["compile"]``, ``meta["selective"]``.
+# - ``granularity``: ``groups``, ``tags`` and ``shared`` come from the extraction (docs/design.md §8).
+# - ``tie_identical`` (docs/design.md §10.1): ``Chain.tied``, ``copy_spread``, ``meta["untied_time"]``.
+# - ``autocast``: without it, the precision active around the call counts, e.g. once ``Trainer(bf16=True)`` has
+#   entered it (docs/design.md §11); ``meta["precision"]`` names it, and a schedule applied with this chain warns at
+#   a step run in another.
+# - ``meta`` also records device, dtype, ``param_bytes`` (parameters and gradients, beside the budget, not in it),
+#   model class, input shape, torch version and the settings.
 def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
             device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5,
             progress: bool = True, optimizer: torch.optim.Optimizer | None = None, world_size: int = 1,
@@ -108,25 +121,19 @@ def profile(model: Any, sample_input: Any, loss_fn: LossFn | None = None, *,
         model: anything :func:`sequentialize` cuts; each stage is called with one argument, as in ``nn.Sequential``.
         loss_fn: ``loss_fn(output) -> scalar`` for the last stage's real output gradient (default: mean of squares).
         device, progress: where to run (default: the model's device, where it must be already); a progress bar.
-        estimate_for: ``"H100"``, ``"A100"`` or ``"H200"``: roofline times for that GPU (:mod:`.roofline`), sizes
-            measured; ``meta["times"]`` says "estimate", ``meta["measured_fwd_time"]`` / ``["measured_bwd_time"]``
-            keep the real ones.
-        optimizer, world_size: the step's real optimizer and the ranks sharding its state (FSDP, ZeRO-3), for
-            ``Chain.fixed``: the whole step's memory, measured by two real steps undone afterwards (§7).
-        compile, selective: profile each stage compiled, as ``wrap(..., compile=True)`` runs it; with
-            ``selective``, under selective checkpointing as ``apply(..., native=True, selective=True)`` (§5.3).
-            Untimed warm-up runs compile the graphs; ``meta["compile"]``, ``meta["selective"]`` record it.
-        granularity: how finely extraction cuts a traced model (:func:`~hchain_viz.runtime.graph.extract_stages`);
-            ``groups``, ``tags`` and ``shared`` come from it (§8).
-        tie_identical: give identical stages the median of their times, so noise never picks the copy to
-            recompute (§10.1; ``Chain.tied``, ``copy_spread``, ``meta["untied_time"]``).
-        autocast: profile under ``torch.autocast(device, dtype=autocast)``; without it, in the precision active
-            around the call, e.g. before ``Trainer(bf16=True)`` enters it (§11). ``meta["precision"]`` names it; a
-            schedule applied with this chain warns at a step run in another.
+        warmup, repeats: untimed runs, then the timed runs whose medians are kept.
+        estimate_for: ``"H100"``, ``"A100"`` or ``"H200"``: roofline times for that GPU (:mod:`.roofline`).
+        optimizer, world_size: the step's optimizer and the ranks sharding its state (FSDP, ZeRO-3): ``Chain.fixed``.
+        compile, selective: profile each stage compiled, as ``wrap(..., compile=True)`` runs it; with ``selective``,
+            under selective checkpointing as ``apply(..., native=True, selective=True)`` (§5.3).
+        granularity: how finely a traced model is cut (:func:`~hchain_viz.runtime.graph.extract_stages`, §8).
+        tie_identical: give identical stages the median of their times, so noise never picks the copy to recompute.
+        autocast: profile under ``torch.autocast(device, dtype=autocast)``; without it, in the precision active around
+            the call (§11). Notes on these, and what ``chain.meta`` records: NOTE [profile's options] above.
 
-    Returns:
-        The chain; ``meta`` records device, dtype, precision, ``param_bytes`` (parameters and gradients, beside the
-        budget, not in it), model class, input shape, torch version and settings.
+    Raises:
+        ProfileError: a bad setting, ``selective`` without ``compile``, or an optimizer not built on the model.
+        NotSequentialError: the model cannot be cut into stages.
     """
     if not isinstance(warmup, int) or warmup < 0:
         raise ProfileError(f"warmup must be a non-negative integer, got {warmup!r}")

@@ -1,30 +1,12 @@
 """The interactive explorer: a notebook widget to slide the memory budget and watch the optimal schedule change.
 
-``Explorer(chain)`` (or ``explore(model, x)``, which profiles first) lays out four plotly figures in one
-:class:`~hchain_viz.viz.board.FigureBoard` that fills the output area — the frontier, the memory curve, the timeline and
-the storage tape — under a budget slider (MiB/GiB), a strategy selector (switch to a baseline, or overlay one), a
-Play button with a step slider that replays the schedule op by op, and the step's statistics. Clicking the frontier
-sets the budget. ``explorer.schedule`` / ``save_schedule`` / ``wrap`` export what is on screen.
+``Explorer(chain)`` (or ``explore(model, x)``, which profiles first) lays out the frontier, the memory curve, the
+timeline and the storage tape in one :class:`~hchain_viz.viz.board.FigureBoard` under a budget slider, a strategy
+selector and a player; a device panel for a chain with a fixed part (design.md §7), and a pipeline view
+(:mod:`hchain_viz.viz.pipeline`, docs/design.md §12) on request. Every control and its property: docs/explorer.md.
 
 It holds state and computes nothing (docs/design.md §1): a budget change re-reads ``solution.schedule``, simulates,
 and has the board send the changed figures (:mod:`hchain_viz.viz.figures`); slider events are throttled.
-
-Programmatic control mirrors the controls: ``explorer.budget = nbytes``, ``explorer.strategy = "revolve"``,
-``explorer.overlay = "sqrt_n"``, ``explorer.step = k``; ``explorer.figures`` maps names to the figures.
-``explorer.close()`` releases its widgets; a new explorer closes the ones it replaces (same chain, same cell).
-
-Will it fit (design.md §7): for a chain that knows its fixed part (``hcv.profile(..., optimizer=opt)``) the explorer
-adds a device panel — a preset or custom device size, the allocator margin, and the memory axis: ``activations``
-(the budget of §3) or ``whole step`` (slider and frontier in device bytes, the fixed part drawn as a band). Picking a
-device sets the budget to the fastest schedule whose whole step fits, or says plainly that nothing fits. For a chain
-with a batch-size fit (``hcv.profile_batches``) a batch-size box re-solves at another batch size, and a fifth figure
-shows throughput against the batch size on the chosen device, marking the largest batch of each strategy.
-A chain profiled in 16-bit compute also offers the precisions its fixed part can be counted in
-(``chain.fixed.precisions()``). Programmatically: ``explorer.device_memory = "24GiB"``, ``explorer.margin = 0.1``,
-``explorer.axis = "device"``, ``explorer.batch = 64``, ``explorer.precision = "bf16-master"``.
-
-Several devices (docs/design.md §12): ``Explorer(chain, pipeline=(P, M))`` adds the pipeline view of
-:mod:`hchain_viz.viz.pipeline` below: each device's memory bar and the timeline, driven by its device-memory slider.
 """
 
 from __future__ import annotations
@@ -132,13 +114,11 @@ class Explorer:
         strategy: ``"optimal"`` or a baseline of ``hcv.strategies.STRATEGIES`` that applies to the chain.
         baselines: drawn on the frontier: None (all), False (none), or a list of names (:func:`figures.frontier`).
         throttle_ms: least time between two redraws while the budget slider is dragged.
-        width: largest width in pixels; by default it fills its output area and follows it (the frontier and the
-            memory curve share a row, stacked below 720 px).
+        width: largest width in pixels; by default it fills its output area and follows it.
         device_memory, margin, axis: the device panel's device (bytes or ``"24GiB"``), allocator margin (a
             fraction) and memory axis (``"activations"`` or ``"device"``); only for chains with a fixed part.
-        pipeline: ``(devices, microbatches)`` adds the pipeline view below (:attr:`pipeline`, a
-            :class:`~hchain_viz.viz.pipeline.PipelineView` of the chain as given: each device's memory bar and the
-            1F1B timeline, driven by its device-memory slider; docs/design.md §12); None: no pipeline view.
+        pipeline: ``(devices, microbatches)`` adds the pipeline view of the chain as given below (:attr:`pipeline`,
+            a :class:`~hchain_viz.viz.pipeline.PipelineView`; docs/design.md §12); None: no pipeline view.
 
     Raises:
         HChainError: ``chain`` is not a Chain, ``solution`` was solved for another chain, or a pipeline view is

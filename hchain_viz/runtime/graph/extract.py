@@ -28,17 +28,14 @@ def extract_stages(model: nn.Module, sample_input: Any, *,
         model: any ``nn.Module``; its parameters and buffers are shared with the stages, never copied.
         sample_input: a tensor (``model(x)``), a tuple/list (``model(*x)``) or a dict (``model(**x)``). Stage 0
             takes this same object.
-        granularity: ``None`` or ``"module"`` (default): cut only between whole blocks (the layers before the
-            first block form ``"stem"``, after the last ``"head"``; in an encoder-decoder, ``config.is_encoder_decoder``
-            or ``encoder`` and ``decoder`` attributes, the encoder output crosses every decoder cut beside it);
-            ``"sublayer"``: also inside the blocks, where a few tensors cross, named by role (``h.3.attn.probs``,
-            ``h.3.mlp.up``, ``xattn.*``, ``layer3.2.conv2``, ``stem.bn1..relu``; docs/models.md, docs/design.md §8);
-            ``"finest"``: every cut point; an int ``N``: ``N`` stages balanced by the measured time of their ops.
+        granularity: ``None`` or ``"module"`` (default): cut only between whole blocks, plus ``"stem"`` and
+            ``"head"``; ``"sublayer"``: also inside the blocks, where a few tensors cross, named by role
+            (``h.3.attn.probs``); ``"finest"``: every cut point; an int ``N``: ``N`` stages balanced by the measured
+            time of their ops. Names, and encoder-decoders: docs/models.md; the cuts: docs/design.md §8.
 
     Returns:
-        ``[(name, stage), ...]`` where ``stage`` is a :class:`GraphStage`; ``stage.group`` names the block it
-        belongs to (``"h.3"``, ``None`` for the stem and head) and ``stage.tag`` is ``"attn_core"`` on the stages of
-        the core attention (scores, probabilities, probabilities times values, or a fused attention op).
+        ``[(name, stage), ...]`` of :class:`GraphStage` objects; ``stage.group`` names the block (``"h.3"``,
+        ``None`` for the stem and head), ``stage.tag`` is ``"attn_core"`` on the core attention's stages.
 
     Raises:
         NotSequentialError: the model could not be traced (data-dependent control flow, unsupported inputs), has

@@ -2,6 +2,7 @@
 
     hcv.checkpoint(model, batch, budget="6GiB")   # prints what it chose; the model then trains by it in place
 
+The one-line entry point, as easy as Hugging Face's ``gradient_checkpointing_enable()`` (docs/design.md §1.1).
 Owns :func:`checkpoint` and its verify loop (:func:`_verified`: measure the applied step, re-apply for the budget
 scaled by the overshoot). Applying is ``train/inplace.py``'s; the compiled form's planning ``core/regions.py``'s.
 """
@@ -41,23 +42,22 @@ def checkpoint(model: nn.Module, batch: Any, budget: int | str | None = None, *,
                verbose: bool = True, autocast: torch.dtype | None = None) -> nn.Module:
     """Profile ``model`` on ``batch``, solve, and apply the fastest schedule that fits; returns ``model``.
 
-    The one-line entry point, as easy as Hugging Face's ``gradient_checkpointing_enable()`` (docs/design.md §1.1).
-
     Args:
         batch: a training batch as the model is called with it (a dict for ``model(**batch)``, a tensor, a tuple);
             later training calls must have its structure and shapes.
         budget: activation memory (bytes or ``"6GiB"``); or ``device_memory``: the whole device, the fixed part
-            counted (§7; needs ``optimizer``). Neither: the CUDA device's memory, else no limit (store-all).
-        loss_fn: ``loss_fn(output)``, the loss profiled for the last stage (default: ``output.loss`` if any).
-        granularity: how finely a traced model is cut (``"sublayer"``: inside transformer layers).
-        native, selective: see :func:`apply`; the schedule then fits also compiled whole (§5.3), and with
-            ``selective`` the model is profiled twice with compiled stages, plain and selective.
+            counted (docs/design.md §7; needs ``optimizer``). Neither: the CUDA device's memory, else no limit.
+        loss_fn, granularity: the last stage's loss (default: ``output.loss`` if any); how finely to cut the model.
+        native, selective: see :func:`apply`; the schedule then fits compiled whole too (§5.3); ``selective``
+            profiles twice with compiled stages, plain and selective.
         verify: measure a step (compiled whole when ``native``) and re-apply for the budget scaled by budget /
             measured, until one measures within or four steps are measured (docs/compile.md).
-        verbose, progress: print the budget, predicted peak and overhead and each measured peak; progress bars.
+        verbose, progress: print the budget, predicted peak, overhead and measured peaks; progress bars.
         autocast: profile, trace and verify under ``torch.autocast(device, dtype=autocast)`` (§11).
 
     Raises:
+        AlreadyApplied: the model already trains by a schedule (``hcv.remove`` it first).
+        HChainError: arguments that contradict or lack each other; and what profiling, solving and applying raise.
         InfeasibleBudget: ``verify`` measured no schedule within the budget; the model is left plain.
     """
     if is_applied(model):

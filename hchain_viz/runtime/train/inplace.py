@@ -55,26 +55,24 @@ _HF_CHECKPOINTING = ("activation_checkpointing_enable", "gradient_checkpointing_
 def apply(model: nn.Module, schedule: Schedule | str, *, chain: Chain | None = None, sample: Any = None,
           native: bool = False, preserve_rng_state: bool = True,
           compile: bool | Mapping[str, Any] = False, selective: bool | Chain = False) -> nn.Module:
-    """Make ``model`` itself train by ``schedule``; returns ``model`` (the same object).
+    """Make ``model`` itself train by ``schedule`` and return it (docs/design.md §5.2); :func:`remove` undoes it.
 
-    ``schedule``: a :class:`~hchain_viz.Schedule` for the chain of stages of ``model`` (as for :func:`hcv.wrap`).
-    ``chain``: the profiled chain it was solved for (recommended): then a schedule for another model (other stage
-    names, class or parameter sizes) is refused here, and every training call must have the profiled input shapes.
-    ``sample``: the profiled input (a tensor, a tuple of arguments or a dict of keyword arguments, as given to
-    ``hcv.profile``): fixes the call structure now; without it, the first training call fixes it.
-    ``native``: run the schedule as nested non-reentrant ``torch.utils.checkpoint`` regions (the schedule's segment
-    tree), so that ``torch.compile(model)`` compiles the whole step with the schedule inside; see
-    :mod:`hchain_viz.runtime.train.native` for the schedules it takes and its guarantees. ``preserve_rng_state`` and
-    ``compile`` (compiled stages under the eager executor) are those of :func:`hcv.wrap`. ``selective`` (with
-    ``native``): every stage outside the checkpoint regions saves only its matrix products' and convolutions'
-    outputs and recomputes the rest in its backward (``runtime/train/native.py``). Give it the model's chain
-    profiled with ``profile(..., compile=True, selective=True)`` (``chain=`` stays the plain one) to have the form's
-    memory predicted; ``True`` runs it unpredicted.
+    Args:
+        schedule: a :class:`~hchain_viz.Schedule` for the chain of stages of ``model`` (as for :func:`hcv.wrap`).
+        chain: the profiled chain it was solved for (recommended): a schedule for another model (other stage names,
+            class or parameter sizes) is then refused here, and every training call must have the profiled shapes.
+        sample: the profiled input (a tensor, a tuple of arguments or a dict of keyword arguments, as given to
+            ``hcv.profile``): fixes the call structure now; without it, the first training call fixes it.
+        native: run the schedule as nested non-reentrant ``torch.utils.checkpoint`` regions, so that
+            ``torch.compile(model)`` compiles the whole step with the schedule inside (docs/design.md §5.3).
+        preserve_rng_state, compile: those of :func:`hcv.wrap` (``compile``: compiled stages, eager executor).
+        selective: with ``native``, stages outside the regions save only their matrix products' and convolutions'
+            outputs and recompute the rest in their backward; give the chain profiled with ``profile(...,
+            compile=True, selective=True)`` to predict its memory (``chain=`` stays plain); ``True``: unpredicted.
 
-    The model keeps its class, ``forward`` signature, attributes and methods (``config``, ``save_pretrained``,
-    ``generate``) and ``state_dict`` keys; ``eval()`` and ``torch.no_grad()`` run its plain forward. Raises
-    :class:`AlreadyApplied`, :class:`ScheduleMismatch`, :class:`DoubleCheckpointing` (Hugging Face's activation
-    checkpointing is on) or :class:`~hchain_viz.InvalidSchedule`. Undo with :func:`remove`.
+    Raises:
+        AlreadyApplied, DoubleCheckpointing: a schedule, or Hugging Face's activation checkpointing, is on already.
+        ScheduleMismatch, InvalidSchedule, HChainError: a schedule for another model, a bad one, bad arguments.
     """
     if not isinstance(model, nn.Module):
         raise HChainError(f"apply() needs an nn.Module, got {type(model).__name__}; put a list of stages into an "
