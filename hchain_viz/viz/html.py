@@ -26,12 +26,11 @@ from ..core.units import format_bytes, format_time
 from ..errors import HChainError
 from . import figures as F
 from . import style
+from .page import PLOTLY_CONFIG, plotly_js, script_json
+from .pipeline import check_pipeline, html_frames, html_section
 from .trace_view import TraceView
 
 __all__ = ["to_html"]
-
-#: plotly's config for every figure of a page: no logo, resizing with the page, no cloud upload.
-PLOTLY_CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["sendDataToCloud"]}
 
 
 def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int = 120, strategies: Any = None,
@@ -48,8 +47,6 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
     pipe_section = ""
     chain = getattr(chain_or_solution, "chain", chain_or_solution)
     if pipeline is not None and isinstance(chain, Chain):  # before the solve: a chain without a fixed part fails fast
-        from .pipeline import check_pipeline, html_frames, html_section
-
         P, M = check_pipeline(chain, pipeline)
         pipe, limits, pipe_frames = html_frames(chain, P, M)
         pipe_section = (f"<h3>{html.escape(pipe.kind)} pipeline on {P} devices, {M} microbatches, "
@@ -124,20 +121,6 @@ def _solution_of(obj: Any) -> Any:
     if all(hasattr(obj, a) for a in ("chain", "schedule", "frontier", "min_budget")):
         return obj
     raise HChainError(f"to_html needs a Chain or a Solution (hcv.solve(chain)), got {type(obj).__name__}")
-
-
-def plotly_js() -> str:
-    """plotly.js itself (several MB), embedded so that a page fetches nothing."""
-    from plotly.offline import get_plotlyjs
-
-    return get_plotlyjs()
-
-
-def script_json(obj: Any) -> str:
-    """JSON safe inside a <script> element: no "</" can close it early (stage names are user text)."""
-    from plotly.io.json import to_json_plotly
-
-    return to_json_plotly(obj).replace("</", "<\\/")
 
 
 _PAGE = """<!DOCTYPE html>

@@ -24,6 +24,7 @@ from ..core.pipeline import Pipeline, PipelinePlan
 from ..core.units import format_bytes, format_time
 from ..errors import HChainError
 from . import style
+from .page import PLOTLY_CONFIG, plotly_js, script_json
 
 try:
     import plotly.graph_objects as go
@@ -247,8 +248,6 @@ def html_frames(chain: Any, devices: int, microbatches: int, schedule: str = "1F
 def html_section(frames: list[dict], prefix: str = "") -> str:
     """The page's pipeline part: a device-memory slider over ``frames`` driving both figures. Element ids start
     with ``prefix``, so the section can sit in another page (:func:`hchain_viz.viz.html.to_html`)."""
-    from .html import PLOTLY_CONFIG, script_json
-
     start = (len(frames) - 1) // 2
     return _SECTION.format(p=prefix, n_last=len(frames) - 1, start=start,
                            data=script_json(dict(frames=frames, start=start, config=PLOTLY_CONFIG)))
@@ -258,8 +257,6 @@ def to_html(chain: Any, devices: int, microbatches: int, path: str | os.PathLike
             bandwidth: Any = None, n: int = 40, title: str | None = None) -> str:
     """Write a self-contained page (plotly.js embedded, nothing fetched) with the memory bars and the timeline of
     the best plan at ``n`` per-device memory limits and a slider between them; return the path."""
-    from .html import plotly_js
-
     pipe, budgets, frames = html_frames(chain, devices, microbatches, schedule, bandwidth=bandwidth, n=n)
     title = title or (f"hchain_viz: {pipe.kind} pipeline on {devices} devices, {microbatches} microbatches, "
                       f"{format_bytes(budgets[0])} to {format_bytes(budgets[-1])} per device")
