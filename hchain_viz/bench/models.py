@@ -1,4 +1,4 @@
-"""Benchmark ``models``: automatic chain extraction (runtime/graph.py) on real architectures, on the CPU.
+"""Benchmark ``models``: automatic chain extraction (runtime/graph/) on real architectures, on the CPU.
 
     python -m hchain_viz bench models [--models resnet_skip,nanogpt,gpt2,resnet18,densenet121] [--rounds 3]
                                       [--budgets 4] [--no-train] [--threads 0]

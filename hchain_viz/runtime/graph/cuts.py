@@ -1,10 +1,12 @@
-"""Which cuts a chain uses. Module granularity: the cuts in front of each block (a transformer layer, a residual
+"""Which cuts a chain uses: ``_Cuts``, a mixin of ``_Plan`` (plan.py) that picks the cuts of each granularity from
+the plan's analysis (``order``, ``crossing``, ``param``, ``const``, ``info``).
+
+Module granularity: the cuts in front of each block (a transformer layer, a residual
 block), found from the module each op belongs to. Sub-layer granularity: each block cut again between its heavy ops
 (projections, convolutions, attention products, softmax), where a few tensors cross: the residual stream or a
 residual block's input beside the current value, or a dense block's feature maps so far (values only concatenations
 still read, counted as one however many); a CNN's stem (before the first block, holding a convolution) is cut
-between its layers. A mixin of ``_Plan`` (plan.py), whose analysis (``order``, ``crossing``,
-``param``, ``const``, ``info``) it reads."""
+between its layers."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""``_Plan``: the analysis of one traced graph. Which values are constants (recomputed by every stage), literals
-(sizes, specialised where they cross), parameter-carrying *main* values or parameter-free *side* values, what crosses
-the cut after each op, and which of those cuts are valid. Choosing among the cuts is ``cuts.py``, naming them
-``roles.py``, building a stage ``build.py``: ``_Plan`` joins them as mixins over the same analysis."""
+"""``_Plan``: the analysis of one traced graph, and the class that joins choosing the cuts (``cuts.py``), naming them
+(``roles.py``) and building a stage (``build.py``) as mixins over that analysis.
+
+The analysis: which values are constants (recomputed by every stage), literals (sizes, specialised where they cross),
+parameter-carrying *main* values or parameter-free *side* values, what crosses the cut after each op, and which of
+those cuts are valid."""
 
 from __future__ import annotations
 
