@@ -145,3 +145,15 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     upward = [t for _, t in imports_of(PACKAGE / "viz" / "explorer.py")]
     assert "hchain_viz.core.device" in upward and any(t.startswith("hchain_viz.runtime.") for t in upward)
     assert "IPython" in upward  # imported inside a function
+
+
+def test_no_import_cycle_within_runtime_or_viz():
+    """The same rule one layer up: runtime/ (runtime/stages.py and runtime/graph/ once imported each other) and
+    viz/ (html.py and pipeline.py once did). A package's own ``__init__`` importing its modules does not count."""
+    for layer in ("runtime", "viz"):
+        modules = {module_name(p): p for p in sorted((PACKAGE / layer).rglob("*.py"))}
+        graph = {name: sorted({t for _, t in imports_of(path) if t in modules and t != name
+                               and not (modules[t].name == "__init__.py" and name.startswith(t + "."))})
+                 for name, path in modules.items()}
+        cycles = _cycles(graph)
+        assert not cycles, f"import cycles in {layer}/:\n" + "\n".join(' -> '.join(cycle) for _, cycle in cycles)

@@ -440,7 +440,7 @@ def _grads(model: nn.Module, module: Any, x: Any, loss_fn: Any, seed: int = 1) -
     """The parameter gradients of one step of ``module`` (which trains ``model``'s parameters) from RNG ``seed``,
     buffers restored afterwards."""
     from ..runtime.measure import fresh_copy
-    from ..runtime.stages import buffer_snapshot
+    from ..runtime.snapshot import buffer_snapshot
 
     restore = buffer_snapshot([model])
     params = [p for p in model.parameters() if p.requires_grad]

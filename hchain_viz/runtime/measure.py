@@ -25,7 +25,7 @@ from torch import nn
 from ..core.units import format_bytes, format_time
 from ..errors import HChainError, ProfileError
 from .memtrack import MemoryMeter, map_tensors, nbytes, tensors
-from .stages import buffer_snapshot
+from .snapshot import buffer_snapshot
 
 __all__ = ["measure", "Measurement", "default_loss"]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,13 +33,14 @@ from ..core.regions import stage_count
 from ..core.schedule import Schedule
 from ..errors import InvalidSchedule, NotSequentialError, ProfileError
 from .memtrack import cuda_devices, map_tensors, tensors
+from .snapshot import buffer_snapshot
 
 Stage = tuple[str, nn.Module]
 
 # Look-alike models (torchvision-style by attribute names) whose stages were seen to reproduce the model's output.
 _VERIFIED: weakref.WeakSet = weakref.WeakSet()
 
-__all__ = ["sequentialize", "find_stages", "Stage", "fuse", "buffer_snapshot"]
+__all__ = ["sequentialize", "find_stages", "Stage", "fuse"]
 
 
 def sequentialize(model: Any, sample_input: Any = None, *, granularity: str | int | None = None) -> list[Stage]:
@@ -347,22 +348,6 @@ def _check_stages(model: Any, stages: list[Stage], sample_input: Any, *, compare
     finally:
         restore()
     return (not compare or _same(h, reference)), inplace
-
-
-def buffer_snapshot(modules: list[nn.Module], host: bool = False) -> Callable[[], None]:
-    """Copy every buffer of ``modules`` now (to host memory with ``host``); the returned function puts the values
-    (and the tensors) back."""
-    subs = {id(s): s for m in modules for s in m.modules()}.values()
-    keep = (lambda b: b.detach().to("cpu", copy=True)) if host else (lambda b: b.detach().clone())
-    saved = [(s, name, b, keep(b)) for s in subs for name, b in s._buffers.items() if b is not None]
-
-    def restore() -> None:
-        with torch.no_grad():
-            for s, name, b, copy in saved:
-                b.copy_(copy)
-                s._buffers[name] = b
-
-    return restore
 
 
 def _extract(model: Any, sample_input: Any, granularity: str | None, *, why: str) -> list[Stage]:

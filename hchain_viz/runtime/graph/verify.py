@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from ..memtrack import cuda_devices
 from ..precision import precision_of, resolution
-from ..stages import buffer_snapshot
+from ..snapshot import buffer_snapshot
 
 # A gradient matches when max |got - want| <= rtol * max |want| + _GRAD_ATOL, rtol the larger of _GRAD_RTOL and
 # _EPS_RTOL machine epsilons of the precision that runs (runtime/precision.py). Loose enough for the rounding of ops

@@ -51,7 +51,8 @@ from ..memtrack import (
 )
 from ..precision import autocast_now, precision_of, runs_in, uncached
 from ..precision import describe as describe_precision
-from ..stages import Stage, buffer_snapshot, find_stages, sequentialize
+from ..snapshot import buffer_snapshot
+from ..stages import Stage, find_stages, sequentialize
 from ..transfer import Link, box_holder, data_holder, storage_key
 
 __all__ = ["Executor", "StepRunner", "Learned", "as_schedule"]
