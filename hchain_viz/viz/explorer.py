@@ -455,6 +455,10 @@ class Explorer:
         return name
 
     # ------------------------------------------------------------------------------------------ data
+    def clear_cache(self) -> None:
+        """Forget the answers kept for recent budgets: the next move solves and simulates again."""
+        self._cache.clear()
+
     def _view_for(self, name: str, budget: int) -> tuple[TraceView, str]:
         key = (name, budget)
         hit = self._cache.get(key)
