@@ -377,6 +377,9 @@ def _fsdp_hf_worker(rank: int, world: int, out_dir: str, name: str, schedule_jso
                 for step in range(2):
                     torch.manual_seed(step)  # dropout (GPT-2) draws alike on both ranks and in both runs
                     out = model(**batch)
+                    # which parameters are sharded between the forward and the backward: the layers' (resharded
+                    # after their forward, by FSDP2 or by the stages), not the model's own (FSDP2 keeps the root's)
+                    between = [isinstance(p, DTensor) for p in model.parameters()]
                     out.loss.backward()
                     # after the backward every parameter is resharded, its gradient reduce-scattered
                     resharded = all(isinstance(p, DTensor) and isinstance(p.grad, DTensor)
@@ -384,7 +387,7 @@ def _fsdp_hf_worker(rank: int, world: int, out_dir: str, name: str, schedule_jso
                     grads = [p.grad.full_tensor().clone() for p in model.parameters()]
                     opt.step()
                     opt.zero_grad()
-                    steps.append((out.loss.detach(), out.logits.dtype, grads, resharded))
+                    steps.append((out.loss.detach(), out.logits.dtype, grads, resharded, between))
             record[sharding, label] = steps
             record[sharding, label, "warned"] = [str(w.message) for w in caught
                                                  if issubclass(w.category, PrecisionWarning)]
@@ -416,7 +419,8 @@ def test_fsdp2_bf16_on_a_hugging_face_model_trains_like_the_plain_sharded_model_
     """fully_shard (per layer and the model, or the model only) with MixedPrecisionPolicy(param_dtype=bfloat16,
     reduce_dtype=float32), then hcv.apply: the traced stages read the parameters FSDP2 gathers, in bfloat16; the
     losses and the gathered gradients are those of the same sharded model without a schedule, bitwise (GPT-2's
-    tied embedding and dropout included), and every parameter is resharded after the backward. Applied before
+    tied embedding and dropout included); the layers are resharded after the forward as FSDP2 reshards them, and
+    every parameter after the backward. Applied before
     fully_shard, the layers sharded without the model, or a sharded model wrapped (hcv.wrap calls the stages, not
     the model, so no FSDP2 hook gathers or reduce-scatters) is refused plainly."""
     import torch.distributed as dist
@@ -433,8 +437,9 @@ def test_fsdp2_bf16_on_a_hugging_face_model_trains_like_the_plain_sharded_model_
         for sharding in _SHARDINGS:
             plain, applied = record[sharding, "plain"], record[sharding, "applied"]
             assert record[sharding, "applied", "warned"] == []  # profiled in bfloat16, run in bfloat16
-            for (lp, dp, gp, rp), (la, da, ga, ra) in zip(plain, applied, strict=True):
+            for (lp, dp, gp, rp, bp), (la, da, ga, ra, ba) in zip(plain, applied, strict=True):
                 assert da == dp == BF16 and rp and ra
+                assert ba == bp and any(ba) == (sharding == "layers and root"), (sharding, ba, bp)
                 assert torch.equal(la, lp), (sharding, la, lp)
                 assert _bitwise(ga, gp), sharding
         kind, message = record["refused"]["applied first"]
@@ -445,7 +450,7 @@ def test_fsdp2_bf16_on_a_hugging_face_model_trains_like_the_plain_sharded_model_
         assert kind == "ScheduleMismatch" and "fully_shard(model)" in message
     # the gradients were reduced: both ranks (different halves of the batch) hold the same full gradients
     for sharding in _SHARDINGS:
-        for (_, _, g0, _), (_, _, g1, _) in zip(records[0][sharding, "applied"], records[1][sharding, "applied"]):
+        for (_, _, g0, *_), (_, _, g1, *_) in zip(records[0][sharding, "applied"], records[1][sharding, "applied"]):
             assert _bitwise(g0, g1)
 
 

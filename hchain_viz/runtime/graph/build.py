@@ -68,6 +68,8 @@ class GraphStage(nn.Module):
         for m in self._sharded:
             m.unshard()  # a no-op once gathered
         out = self.gm(x)
+        if self._sharded:
+            _reshard_after(self._sharded, x, out)
         if self._out_spec is not None:
             out = pytree.tree_unflatten(list(out), self._out_spec)
         return out
@@ -85,16 +87,54 @@ def _nested_sharded(model: nn.Module, gm: fx.GraphModule) -> list[nn.Module]:
     """The FSDP2 (``fully_shard``) modules strictly below ``model`` that hold modules the stage reads.
 
     FSDP2 gathers a module's parameters in its forward pre-hook, which never fires for them: the stage runs their
-    ops, not their forward. So the stage gathers them itself (``unshard()``, a no-op once gathered); they stay
-    gathered until the backward ends, where the root's final callback reduce-scatters their gradients and reshards
-    them (FSDP2 runs the post-backward of every group its backward hooks did not reach). The root's own parameters
-    are gathered by its hooks, around the training call."""
+    ops, not their forward. So the stage gathers them itself (``unshard()``, a no-op once gathered) and reshards them
+    after (:func:`_reshard_after`); the root's final callback reduce-scatters their gradients when the backward ends
+    (FSDP2 runs the post-backward of every group its backward hooks did not reach). The root's own parameters are
+    gathered by its hooks, around the training call."""
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded by it
     if fsdp is None or not isinstance(model, fsdp.FSDPModule):
         return []
     read = {id(m) for m in gm.modules()}
     return [m for m in model.modules() if m is not model and isinstance(m, fsdp.FSDPModule)
             and any(id(s) in read for s in m.modules())]
+
+
+# Per nested FSDP2 module: how many stages that read it are in their backward now (see _reshard_after).
+_IN_BACKWARD: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def _reshard_after(sharded: list[nn.Module], x: Any, out: Any) -> None:
+    """Reshard the nested FSDP2 modules a stage read once its forward is done, as FSDP2 does after a module's
+    forward, unless another stage that reads them is in its backward; gathered again before the stage's backward (a
+    hook on its outputs' gradients: FSDP2 gathers into the same storage, which the saved tensors still view) and
+    resharded after it (a hook on its inputs' gradients). Their gradients stay on the gathered parameters until the
+    backward ends, where the root's final callback reduce-scatters them (FSDP2's post-backward, as before)."""
+    if torch.is_grad_enabled():
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        ins = [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:
+            torch.autograd.graph.register_multi_grad_hook(outs, lambda _: _enter_backward(sharded), mode="any")
+            if ins:
+                torch.autograd.graph.register_multi_grad_hook(ins, lambda _: _leave_backward(sharded), mode="all")
+    for m in sharded:
+        if not _IN_BACKWARD.get(m):
+            m.reshard()
+
+
+def _enter_backward(sharded: list[nn.Module]) -> None:
+    if not _IN_BACKWARD:  # the first window of this backward call: all closed when it ends (inputs without grad)
+        torch.autograd.Variable._execution_engine.queue_callback(_IN_BACKWARD.clear)
+    for m in sharded:
+        _IN_BACKWARD[m] = _IN_BACKWARD.get(m, 0) + 1
+        m.unshard()
+
+
+def _leave_backward(sharded: list[nn.Module]) -> None:
+    for m in sharded:
+        _IN_BACKWARD[m] = _IN_BACKWARD.get(m, 1) - 1
+        if _IN_BACKWARD[m] <= 0:
+            del _IN_BACKWARD[m]
+            m.reshard()
 
 
 class _Building:
