@@ -346,7 +346,7 @@ _SHARDINGS = ("layers and root", "root only")
 
 
 @gloo_rank
-def _fsdp_hf_worker(rank: int, world: int, out_dir: str, name: str, schedule_json: str) -> None:
+def _fsdp_hf_worker(rank: int, world: int, out_dir: str, name: str, schedule_json: str, chain_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
@@ -368,8 +368,9 @@ def _fsdp_hf_worker(rank: int, world: int, out_dir: str, name: str, schedule_jso
     for sharding in _SHARDINGS:
         for label in ("plain", "applied"):
             model, batch = sharded(sharding == "layers and root")
-            if label == "applied":  # sharded first, then applied
-                hcv.apply(model, hcv.Schedule.from_json(schedule_json))
+            if label == "applied":  # sharded first, then applied (the chain's parameters: gathered in bfloat16)
+                chain = torch.load(chain_path, weights_only=False)
+                hcv.apply(model, hcv.Schedule.from_json(schedule_json), chain=chain)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             steps = []
             with warnings.catch_warnings(record=True) as caught:
@@ -429,9 +430,11 @@ def test_fsdp2_bf16_on_a_hugging_face_model_trains_like_the_plain_sharded_model_
     if not dist.is_available():
         pytest.skip("torch.distributed missing")
     model, batch = _model(name)
-    schedule = _apply_schedule(model.to(BF16), {k: v.chunk(2)[0] for k, v in batch.items()}).__dict__[
-        "_hcv_applied"].schedule  # profiled on a bfloat16 copy: FSDP2's gathered parameters compute in bfloat16
-    mp.spawn(_fsdp_hf_worker, args=(2, str(tmp_path / "init"), str(tmp_path), name, schedule.to_json()), nprocs=2)
+    # profiled on a bfloat16 copy: FSDP2's gathered parameters compute in bfloat16
+    applied = vars(_apply_schedule(model.to(BF16), {k: v.chunk(2)[0] for k, v in batch.items()}))["_hcv_applied"]
+    torch.save(applied.chain, tmp_path / "chain.pt")
+    mp.spawn(_fsdp_hf_worker, nprocs=2, args=(2, str(tmp_path / "init"), str(tmp_path), name,
+                                              applied.schedule.to_json(), str(tmp_path / "chain.pt")))
     records = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for record in records:
         for sharding in _SHARDINGS:
