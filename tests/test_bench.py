@@ -174,3 +174,40 @@ def test_native_checkpoint_sequential_is_charged_one_backward_call(starts):
     schedule = segments(chain, starts)
     executor = simulate(chain, schedule).makespan
     assert executor - _native_time(chain, schedule) == pytest.approx((len(starts) - 1) * chain.backward_call)
+
+
+# ---------------------------------------------------------------------------------------------- bench pipeline
+def _table_rows(out: str, title: str) -> list[list[str]]:
+    """The rows (cells split on runs of 2+ spaces) of the table printed under the line starting with ``title``."""
+    import re
+
+    lines = out[out.index(title):].splitlines()[1:]
+    block = lines[:lines.index("")] if "" in lines else lines
+    return [re.split(r"\s{2,}", line.strip()) for line in block]
+
+
+@pytest.mark.torch
+def test_pipeline_bench_measures_a_tiny_gpt2_on_two_ranks(capsys):
+    """bench pipeline --model gpt2 on its smallest setting (2 layers, P = 2, 1 round, store-all's limit): a measured
+    step time, its noise and each rank's measured peak beside its prediction for the plan and both baselines, and
+    the gain split measured. Each rank's peak (GPT-2's tied embedding gradient on rank 0 included) is within
+    [0.9, 1.0] of its prediction."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hchain_viz.__main__ import main
+
+    main(["bench", "pipeline", "--model", "gpt2", "--layers", "2", "--hidden", "32", "--seq", "16", "--microbatches",
+          "2", "--rounds", "1", "--fractions", "1", "--measure-p", "2", "--no-analytic"])
+    out = capsys.readouterr().out
+    assert "GPT2LMHeadModel (2 layers, hidden 32" in out and "analytic" not in out
+    head, *rows = _table_rows(out, "P = 2 measured on 2 gloo CPU ranks")
+    assert head == ["limit", "plan", "predicted", "measured", "measured/predicted", "noise", "predicted peaks",
+                    "measured peaks", "measured/predicted peaks"]
+    assert [r[1] for r in rows] == ["optimal", "balanced+uniform", "balanced+per-stage"]
+    for r in rows:
+        assert len(r) == len(head) and r[3].endswith("s") and float(r[4]) > 0 and r[5] == "±0%"  # one round
+        ratios = [float(v) for v in r[8].split(" | ")]
+        assert len(ratios) == 2 and all(0.9 <= v <= 1.0 for v in ratios), r
+    head, *gains = _table_rows(out, "P = 2: the gain split")
+    assert head[:3] == ["limit", "per-stage (i)/(ii) predicted", "measured"] and len(gains) == 1
+    assert all(v.endswith("x") for v in gains[0][1:]), gains

@@ -1,20 +1,18 @@
 """Benchmark of pipeline plans (docs/design.md §12): the plan against its two baselines, over memory limits.
 
-``python -m hchain_viz bench pipeline [--layers 8] [--microbatches 8] [--rounds 3] [--measure-p 2 4]
-[--no-measure]`` profiles a GPT-style decoder (``transformer_chain``: embed, ``--layers`` blocks, head; AdamW) at the
-microbatch size, then for P = 2 and 4 and per-device memory limits from the least that fits to where nothing gets
-faster prints the predicted step time of
-
-- the plan (``plan_pipeline``: partition and per-stage schedules chosen together),
-- baseline (i) ``balanced+uniform``: the time-balanced partition with store-all on every stage where that fits on
-  every stage, else full per-layer recomputation on every stage,
-- baseline (ii) ``balanced+per-stage``: the same partition, each stage with its fastest schedule that fits,
-
-and splits the gain: (i)/(ii) is what per-stage schedules win, (ii)/plan what the partition wins. Then, unless
-``--no-measure``, it runs each fitting plan on P gloo ranks on the CPU (P = 2 unless ``--measure-p`` says 4 or both)
-for ``--rounds`` interleaved rounds (plan, (i), (ii), plan, ...; one warm-up step each) and prints the measured step
-time (median over rounds; the noise is half the range over the median) beside the prediction. Peaks per rank are
-predicted only (the CPU ranks' memory is not measured here).
+``python -m hchain_viz bench pipeline [--model gpt2|llama|toy] [--layers 8] [--micro N] [--microbatches 8]
+[--rounds 3] [--measure-p 2 4] [--fractions F ...] [--no-measure] [--no-analytic]`` first predicts step times on a
+GPT-2-small-like analytic chain (P = 4, 8; not with ``--no-analytic``), then profiles ``--model`` at the microbatch
+size with AdamW: a tiny random Hugging Face GPT-2 (the default) or LLaMA (hidden 128, 4 heads, seq 128, vocab 2048,
+eager attention, no dropout), or the toy ``transformer_chain``. For P = 2 and 4 and per-device limits from the least
+that fits to where nothing gets faster (``--fractions`` of that range) it prints the predicted step time and peaks of
+the plan (``plan_pipeline``), of baseline (i) ``balanced+uniform`` (the time-balanced partition, store-all on every
+stage where that fits everywhere, else full per-layer recomputation) and of (ii) ``balanced+per-stage`` (that
+partition, each stage its fastest schedule that fits), and splits the gain: (i)/(ii) from per-stage schedules,
+(ii)/plan from the partition. Each P in ``--measure-p`` (unless ``--no-measure``) then runs on P gloo CPU ranks
+(``hcv.pipeline``): ``--rounds`` interleaved rounds after a warm-up (plan, (i), (ii), plan, ...; the median step,
+``opt.step()`` included; noise = half the range over the median), then one step of each plan under ``MemoryMeter``:
+each rank's measured peak beside its prediction (``metered_peak``), and the gain split measured.
 """
 
 from __future__ import annotations
@@ -26,32 +24,77 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..core.chain import Chain
 from ..core.fixed import FixedMemory
 from ..core.pipeline import Pipeline, PipelinePlan
 from ..core.units import format_bytes, format_time
+from ..errors import HChainError, InvalidPipeline
 from . import positive_int, print_table
 
 FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)  # of the way from the least per-device memory to where nothing gets faster
 KINDS = ("optimal", "balanced+uniform", "balanced+per-stage")
+MODELS = ("gpt2", "llama", "toy")
+HF_VOCAB, TOY_VOCAB, HEADS = 2048, 256, 4
 
 
-def _model(layers: int, batch: int):
-    from ..runtime.models import transformer_chain
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The benchmarked model, which every rank builds alike (same seed): ``model`` one of :data:`MODELS`, its
+    ``layers`` blocks ``hidden`` wide on ``seq`` tokens, ``micro`` samples per microbatch, ``M`` microbatches."""
 
-    return transformer_chain(batch=batch, seq=64, dim=64, heads=4, layers=layers, vocab=256, dropout=0.0)
+    model: str
+    layers: int
+    hidden: int
+    seq: int
+    micro: int
+    M: int
+
+    def build(self, batch: int) -> tuple[Any, Any, Any]:
+        """``(model, token ids, target)`` for ``batch`` samples (an HF decoder's target is its input ids)."""
+        from ..runtime.models import hf_model, transformer_chain
+
+        if self.model == "toy":
+            model, x, loss_fn = transformer_chain(batch=batch, seq=self.seq, dim=self.hidden, heads=HEADS,
+                                                  layers=self.layers, vocab=TOY_VOCAB, dropout=0.0)
+            return model, x, loss_fn.target
+        no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if self.model == "gpt2" else {}
+        model, inputs, _ = hf_model(self.model, batch=batch, seq=self.seq, layers=self.layers, hidden=self.hidden,
+                                    heads=HEADS, vocab=HF_VOCAB, attn_implementation="eager", **no_dropout)
+        return model, inputs["input_ids"], inputs["input_ids"]
+
+    def stages(self, model: Any, microbatch: Any) -> list:
+        """The chain's ``(name, module)`` stages: an HF model's from its graph, as ``profile`` cut it."""
+        from ..runtime.stages import sequentialize
+
+        return sequentialize(model) if self.model == "toy" else sequentialize(model, microbatch)
+
+    def describe(self) -> str:
+        name = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "toy": "transformer_chain"}[self.model]
+        vocab = TOY_VOCAB if self.model == "toy" else HF_VOCAB
+        return (f"{name} ({self.layers} layers, hidden {self.hidden}, {HEADS} heads, seq {self.seq}, vocab {vocab}, "
+                f"random weights, no dropout), microbatch {self.micro}, M = {self.M}, 1F1B, AdamW")
 
 
-def _chain(layers: int, micro: int):
+def _xent(out: Any, target: Any) -> Any:
+    """Cross-entropy of the logits (an HF output's, when profiling the whole model) against ``target``'s ids."""
+    import torch
+
+    logits = out["logits"] if isinstance(out, Mapping) else out
+    return torch.nn.functional.cross_entropy(logits.flatten(0, -2), target.flatten())
+
+
+def _chain(setup: Setup) -> Chain:
+    """The model profiled on one microbatch, with AdamW."""
     import torch
 
     from ..runtime.profile import profile
 
-    model, x, loss_fn = _model(layers, micro)
+    model, x, target = setup.build(setup.micro)
     opt = torch.optim.AdamW(model.parameters())
-    return profile(model, x, loss_fn, optimizer=opt, progress=False)
+    return profile(model, x, lambda out: _xent(out, target), optimizer=opt, progress=False)
 
 
 def gpt2_chain(layers: int = 12, micro: int = 1) -> Chain:
@@ -75,113 +118,186 @@ def _plans(pipe: Pipeline, M: int, limit: int) -> dict[str, PipelinePlan | None]
     return {"optimal": pipe.plan(M, limit), **base}
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, chain_json: str, layers: int, micro: int, M: int,
-            limit: int, rounds: int) -> None:
+def _worker(rank: int, world: int, init_file: str, out_dir: str, setup: Setup, chain_json: str, limits: list[int],
+            rounds: int) -> None:
+    """One rank: at each limit, every plan that fits timed in interleaved rounds, then one metered step each. One
+    model (and its AdamW) serves every plan: ``hcv.pipeline`` wraps its modules without changing them."""
     import torch
     import torch.distributed as dist
 
-    from ..core.chain import Chain
-    from ..runtime.pipeline import pipeline
+    from ..runtime.memtrack import MemoryMeter
+    from ..runtime.pipeline import metered_peak, pipeline
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     try:
         pipe = Pipeline(Chain.from_json(chain_json), world)
-        runs = {}
-        for kind, plan in _plans(pipe, M, limit).items():
-            if plan is None:
-                continue
-            model, x, loss_fn = _model(layers, micro * M)
-            opt = torch.optim.AdamW(model.parameters())
+        model, x, target = setup.build(setup.micro * setup.M)
+        stages = setup.stages(model, x.chunk(setup.M)[0])
+        opt = torch.optim.AdamW(model.parameters())
+        record: dict[int, dict[str, Any]] = {}
+        for limit in limits:
+            runs = {kind: (pipeline(model, plan, _xent, stages=stages), plan)
+                    for kind, plan in _plans(pipe, setup.M, limit).items() if plan is not None}
 
-            def loss(out, target):
-                return torch.nn.functional.cross_entropy(out.flatten(0, -2), target.flatten())
-
-            run = pipeline(model, plan, loss)
-            runs[kind] = (run, opt, x, loss_fn.target)
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        for r in range(rounds + 1):  # round 0 warms up
-            for kind, (run, opt, x, target) in runs.items():
-                dist.barrier()
-                t0 = time.perf_counter()
+            def step(run: Any) -> None:
                 run.step(x if run.is_first else None, target=target if run.is_last else None)
+
+            times: dict[str, list[float]] = {k: [] for k in runs}
+            for r in range(rounds + 1):  # round 0 warms up (torch's first step also infers shapes)
+                for kind, (run, _) in runs.items():
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    step(run)
+                    opt.step()
+                    opt.zero_grad()
+                    dist.barrier()
+                    if r:
+                        times[kind].append(time.perf_counter() - t0)
+            peaks = {}
+            for kind, (run, plan) in runs.items():
+                with MemoryMeter("cpu") as meter:
+                    step(run)
                 opt.step()
                 opt.zero_grad()
-                dist.barrier()
-                if r:
-                    times[kind].append(time.perf_counter() - t0)
-        if rank == 0:
-            torch.save(times, os.path.join(out_dir, "times.pt"))
+                peaks[kind] = (meter.peak, metered_peak(plan, rank, stages))
+            record[limit] = {"times": times, "peaks": peaks}
+        torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _measure(chain_json: str, layers: int, micro: int, M: int, limit: int, rounds: int,
-             world: int) -> dict[str, list[float]]:
+def measure(setup: Setup, chain_json: str, limits: list[int], world: int, rounds: int) -> dict[int, dict[str, Any]]:
+    """Run every fitting plan at each limit on ``world`` gloo ranks: per limit, ``times`` (rank 0's step times per
+    plan kind) and ``peaks`` (per kind, each rank's ``(measured, predicted)`` bytes)."""
     import torch
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "init"), d, chain_json, layers, micro, M, limit, rounds),
-                 nprocs=world)
-        return torch.load(os.path.join(d, "times.pt"))
+        mp.spawn(_worker, args=(world, os.path.join(d, "init"), d, setup, chain_json, limits, rounds), nprocs=world)
+        ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+    return {limit: {"times": ranks[0][limit]["times"],
+                    "peaks": {k: [r[limit]["peaks"][k] for r in ranks] for k in ranks[0][limit]["peaks"]}}
+            for limit in limits}
 
 
-def _table(chain: Chain, P: int, M: int, measure: Any = None) -> None:
-    """Print the predicted step times of the plan and both baselines over :data:`FRACTIONS` of the memory range;
-    ``measure(limit)`` (optional) returns measured step times per plan kind at a limit."""
+def _gain(slow: float | None, fast: float | None) -> str:
+    return f"{slow / fast:.3f}x" if slow and fast else "-"
+
+
+def _split(plan: PipelinePlan | None) -> str:
+    """The chain stages per device, ``4+6``."""
+    return "+".join(str(st.end - st.first) for st in plan.stages) if plan else "-"
+
+
+def _table(chain: Chain, P: int, M: int, fractions: tuple[float, ...] = FRACTIONS,
+           measure: Callable[[list[int]], dict[int, dict[str, Any]]] | None = None) -> None:
+    """Print the predicted step times and peaks of the plan and both baselines over ``fractions`` of the memory
+    range; ``measure(limits)`` (optional) gives the measured times and peaks per limit (see :func:`measure`)."""
     pipe = Pipeline(chain, P)
     t0 = time.perf_counter()
     least = pipe.least_memory(M)
     top = max(pipe.plan(M, 2**60).peak, least)
     balanced = pipe.least_memory(M, bounds=pipe.baselines(M, 2**60)["balanced+per-stage"].bounds)
     solve_time = time.perf_counter() - t0
-    rows, measured_rows = [], []
-    for f in FRACTIONS:
-        limit = int(least + f * (top - least))
-        plans = _plans(pipe, M, limit)
+    limits = sorted({int(least + f * (top - least)) for f in fractions})
+    rows, predicted = [], {}
+    for limit in limits:
+        plans = predicted[limit] = _plans(pipe, M, limit)
         t = {k: (v.step_time if v else None) for k, v in plans.items()}
         u, s, o = t["balanced+uniform"], t["balanced+per-stage"], t["optimal"]
-        rows.append((format_bytes(limit), f"{f:.2f}", format_time(o), format_time(u) if u else "does not fit",
-                     format_time(s) if s else "does not fit", f"{u / s:.3f}x" if u and s else "-",
-                     f"{s / o:.3f}x" if s else "-", " | ".join(format_bytes(x) for x in plans["optimal"].peaks)))
-        for k, ts in (measure(limit) if measure else {}).items():
-            med = statistics.median(ts)
-            measured_rows.append((format_bytes(limit), k, format_time(t[k]), format_time(med), f"{med / t[k]:.2f}",
-                                  f"±{100 * (max(ts) - min(ts)) / 2 / med:.0f}%"))
+        rows.append((format_bytes(limit), f"{(limit - least) / max(top - least, 1):.2f}", format_time(o),
+                     format_time(u) if u else "does not fit", format_time(s) if s else "does not fit", _gain(u, s),
+                     _gain(s, o), f"{_split(plans['optimal'])} / {_split(plans['balanced+per-stage'])}",
+                     " | ".join(format_bytes(x) for x in plans["optimal"].peaks)))
     print(f"\nP = {P}, M = {M}: least per-device memory {format_bytes(least)} (the balanced partition: "
           f"{format_bytes(balanced)}), nothing faster above {format_bytes(top)} (candidates and searches "
           f"{solve_time:.1f} s); predicted step times")
     print_table(("limit", "frac", "plan", "(i) balanced+uniform", "(ii) balanced+per-stage",
-                 "per-stage gain (i)/(ii)", "partition gain (ii)/plan", "plan peaks per device"), rows)
-    if measured_rows:
-        print(f"\nP = {P} measured on {P} gloo CPU ranks, interleaved rounds (median; noise = half the range over "
-              f"the median)")
-        print_table(("limit", "plan", "predicted", "measured", "measured/predicted", "noise"), measured_rows, left=2)
+                 "per-stage gain (i)/(ii)", "partition gain (ii)/plan", "stages per device plan / balanced",
+                 "plan peaks per device"), rows)
+    if measure is None:
+        return
+    t0 = time.perf_counter()
+    data = measure(limits)
+    wall = time.perf_counter() - t0
+    rows, gains = [], []
+    for limit in limits:
+        med = {}
+        for kind, ts in data[limit]["times"].items():
+            plan = predicted[limit][kind]
+            med[kind] = statistics.median(ts)
+            peaks = data[limit]["peaks"][kind]
+            rows.append((format_bytes(limit), kind, format_time(plan.step_time), format_time(med[kind]),
+                         f"{med[kind] / plan.step_time:.2f}", f"±{100 * (max(ts) - min(ts)) / 2 / med[kind]:.0f}%",
+                         " | ".join(format_bytes(p) for _, p in peaks), " | ".join(format_bytes(m) for m, _ in peaks),
+                         " | ".join(f"{m / p:.3f}" for m, p in peaks)))
+        t = {k: (v.step_time if v else None) for k, v in predicted[limit].items()}
+        gains.append((format_bytes(limit), _gain(t["balanced+uniform"], t["balanced+per-stage"]),
+                      _gain(med.get("balanced+uniform"), med.get("balanced+per-stage")),
+                      _gain(t["balanced+per-stage"], t["optimal"]),
+                      _gain(med.get("balanced+per-stage"), med.get("optimal")),
+                      _gain(t["balanced+uniform"] or t["balanced+per-stage"], t["optimal"]),
+                      _gain(med.get("balanced+uniform") or med.get("balanced+per-stage"), med.get("optimal"))))
+    print(f"\nP = {P} measured on {P} gloo CPU ranks ({wall:.0f} s): step times, interleaved rounds (median; noise = "
+          f"half the range over the median; opt.step() included, not predicted); each rank's peak over one step "
+          f"above its weights and AdamW state, predicted (metered_peak) and measured (MemoryMeter)")
+    print_table(("limit", "plan", "predicted", "measured", "measured/predicted", "noise", "predicted peaks",
+                 "measured peaks", "measured/predicted peaks"), rows, left=2)
+    print(f"\nP = {P}: the gain split, predicted and measured (medians); 'total' is over (i), or over (ii) where (i) "
+          f"does not fit")
+    print_table(("limit", "per-stage (i)/(ii) predicted", "measured", "partition (ii)/plan predicted", "measured",
+                 "total predicted", "measured"), gains)
 
 
 def run(args: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m hchain_viz bench pipeline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=MODELS, default="gpt2",
+                   help="gpt2 or llama (a tiny random Hugging Face decoder; needs transformers) or toy "
+                        "(transformer_chain); default gpt2")
     p.add_argument("--layers", type=positive_int, default=8, help="decoder blocks (default 8)")
-    p.add_argument("--micro", type=positive_int, default=2, help="samples per microbatch (default 2)")
+    p.add_argument("--hidden", type=positive_int, help="hidden size (default 128; toy 64)")
+    p.add_argument("--seq", type=positive_int, help="tokens per sample (default 128; toy 64)")
+    p.add_argument("--micro", type=positive_int, help="samples per microbatch (default 1; toy 2)")
     p.add_argument("--microbatches", type=positive_int, default=8, help="M, microbatches per step (default 8)")
     p.add_argument("--rounds", type=positive_int, default=3, help="measured rounds per plan (default 3)")
     p.add_argument("--measure-p", type=int, nargs="+", choices=(2, 4), default=[2],
                    help="the stage counts P to measure on P gloo CPU ranks (default 2)")
+    p.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS),
+                   help="limits as fractions of the way from the least memory to where nothing gets faster "
+                        f"(default {' '.join(map(str, FRACTIONS))})")
     p.add_argument("--no-measure", action="store_true", help="predictions only (no gloo runs)")
+    p.add_argument("--no-analytic", action="store_true", help="skip the analytic GPT-2-small tables")
     a = p.parse_args(args)
-    print(f"bench pipeline: GPT-2-small-like analytic chain ({gpt2_chain().meta['model']}), 1F1B, fp32 weights "
-          f"with AdamW, times from a roofline estimate")
-    for P, M in ((4, 16), (8, 16)):
-        _table(gpt2_chain(), P, M)
-    chain = _chain(a.layers, a.micro)
-    M = a.microbatches
-    print(f"\nbench pipeline: transformer_chain({a.layers} blocks, dim 64, seq 64), microbatch {a.micro}, M = {M}, "
-          f"1F1B, AdamW; fixed {format_bytes(chain.fixed.total_per_rank)} in all; stage times profiled on this CPU")
+    if any(not 0.0 <= f <= 1.0 for f in a.fractions):
+        p.error("--fractions are between 0 (the least memory) and 1 (where nothing gets faster)")
+    toy = a.model == "toy"
+    if not toy:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise HChainError(f"--model {a.model} needs transformers (pip install transformers), or use --model "
+                              f"toy") from None
+    setup = Setup(a.model, a.layers, a.hidden or (64 if toy else 128), a.seq or (64 if toy else 128),
+                  a.micro or (2 if toy else 1), a.microbatches)
+    if not a.no_analytic:
+        print(f"bench pipeline: GPT-2-small-like analytic chain ({gpt2_chain().meta['model']}), 1F1B, fp32 weights "
+              f"with AdamW, times from a roofline estimate")
+        for P, M in ((4, 16), (8, 16)):
+            _table(gpt2_chain(), P, M)
+    chain = _chain(setup)
+    print(f"\nbench pipeline: {setup.describe()}; fixed {format_bytes(chain.fixed.total_per_rank)} in all; stage "
+          f"times profiled on this CPU ({chain.length} stages)")
     for P in (2, 4):
-        measure = None
+        try:
+            Pipeline(chain, P)
+        except InvalidPipeline as e:  # more devices than layers
+            print(f"\nP = {P}: {e}")
+            continue
+        meas = None
         if P in a.measure_p and not a.no_measure:
-            def measure(limit: int, P: int = P) -> dict[str, list[float]]:
-                return _measure(chain.to_json(), a.layers, a.micro, M, limit, a.rounds, P)
-        _table(chain, P, M, measure)
+            def meas(limits: list[int], P: int = P) -> dict[int, dict[str, Any]]:
+                return measure(setup, chain.to_json(), limits, P, a.rounds)
+        _table(chain, P, setup.M, tuple(a.fractions), meas)

@@ -25,7 +25,7 @@ from ..errors import InvalidPipeline
 from .stages import sequentialize
 from .train.wrap import wrap
 
-__all__ = ["pipeline", "PipelineRun"]
+__all__ = ["pipeline", "PipelineRun", "metered_peak"]
 
 
 @dataclass
@@ -121,12 +121,30 @@ def _tied_parameters(stages: list[tuple[str, nn.Module]], plan: PipelinePlan,
     """The parameters that stages on more than one rank use (a tied embedding and LM head), in the stages' order,
     each with whether ``rank`` uses it: each rank's backward gives only its own part of their gradient, which
     single-process training sums; every rank builds the whole model, so all find the same list."""
+    return tuple((param, rank in used) for param, used in _parameter_ranks(stages, plan) if len(used) > 1)
+
+
+def _parameter_ranks(stages: list[tuple[str, nn.Module]],
+                     plan: PipelinePlan) -> list[tuple[nn.Parameter, set[int]]]:
+    """Every parameter of the stages, in their order, with the ranks whose stages use it."""
     ranks: dict[int, tuple[nn.Parameter, set[int]]] = {}
     for r, st in enumerate(plan.stages):
         for _, module in stages[st.first:st.end]:
             for param in module.parameters():
                 ranks.setdefault(id(param), (param, set()))[1].add(r)
-    return tuple((param, rank in used) for param, used in ranks.values() if len(used) > 1)
+    return list(ranks.values())
+
+
+def metered_peak(plan: PipelinePlan, rank: int, stages: list[tuple[str, nn.Module]]) -> int:
+    """Rank ``rank``'s predicted peak as a ``MemoryMeter`` around ``run.step`` sees it (a step after the first, in
+    which torch also infers shapes): the plan's peak less the parameters and optimizer state, allocated before the
+    step, plus the gradient of each weight this rank shares with a later one. The chain counts a tied weight's
+    gradient once, on the last stage that uses it (GPT-2's LM head); an earlier rank (its embedding) holds one too.
+    ``stages``: the chain's ``(name, module)`` list, as ``pipeline`` was given it."""
+    st = plan.stages[rank]
+    untracked = sum(p.numel() * p.element_size() for p, used in _parameter_ranks(stages, plan)
+                    if rank in used and rank < max(used))
+    return st.peak - st.chain.fixed.static_per_rank + untracked
 
 
 class _TensorOutput(nn.Module):
