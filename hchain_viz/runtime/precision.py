@@ -35,10 +35,10 @@ def param_dtype(model: nn.Module) -> torch.dtype | None:
     parameter's, or under FSDP2 (``fully_shard``) its ``MixedPrecisionPolicy``'s ``param_dtype``, which the gathered
     copies take for the forward while the sharded parameters keep their own."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    return None if dtype is None else _fsdp_param_dtype(model) or dtype
+    return None if dtype is None else fsdp_param_dtype(model) or dtype
 
 
-def _fsdp_param_dtype(model: nn.Module) -> torch.dtype | None:
+def fsdp_param_dtype(model: nn.Module) -> torch.dtype | None:
     """The ``param_dtype`` of the outermost FSDP2 module's policy (None: no FSDP2 module, or no cast)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded by it
     if fsdp is None:

@@ -35,7 +35,7 @@ from ...core.simulate import simulate
 from ...core.units import format_bytes
 from ...errors import AlreadyApplied, DoubleCheckpointing, HChainError, InputMismatch, ScheduleMismatch
 from ..compiled import check_not_compiled, compile_options
-from ..precision import Precision, precision_of, runs_in, warn_other_precision
+from ..precision import Precision, fsdp_param_dtype, precision_of, runs_in, warn_other_precision
 from ..precision import describe as describe_precision
 from ..stages import Stage, sequentialize
 from .executor import Executor, StepRunner, as_schedule
@@ -172,18 +172,20 @@ def _refuse_hf_checkpointing(model: nn.Module, when: str) -> None:
 
 
 def _refuse_sharded_traced(model: nn.Module) -> None:
-    """FSDP2 (``fully_shard``) puts gathered copies of the parameters (cast, under a ``MixedPrecisionPolicy``) into
-    the modules around each forward; stages of an nn.Sequential are its modules and follow, but traced stages keep
-    the parameters they were traced with, and the sharded model cannot be traced (docs/design.md §11)."""
+    """FSDP2 (``fully_shard``) gathers parameters in the forward hooks of the modules it shards. Stages of an
+    nn.Sequential are its modules and run those hooks; traced stages run the ops of the model's modules, not their
+    forwards: only the model's own hooks fire (around the training call), and the stages gather and reshard the
+    nested ones (runtime/graph/build.py). Without fully_shard on the model itself nothing would gather its own
+    parameters or reduce-scatter the gradients after the backward (docs/design.md §11)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded by it
-    if fsdp is None or isinstance(model, nn.Sequential):
+    if fsdp is None or isinstance(model, (nn.Sequential, fsdp.FSDPModule)):
         return
     if any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
         raise ScheduleMismatch(
-            f"this {type(model).__name__} is sharded by FSDP2 (fully_shard), which swaps each parameter for its "
-            f"gathered copy around every forward; a schedule applies to a sharded model only when it is an "
-            f"nn.Sequential of stages, each fully_shard-ed. Train this model unsharded with the schedule, or "
-            f"sharded without it")
+            f"parts of this {type(model).__name__} are sharded by FSDP2 (fully_shard) but not the model itself: a "
+            f"schedule runs the model's traced stages, not its submodules' forwards, so only the model's own FSDP2 "
+            f"hooks gather parameters and reduce-scatter gradients. Call fully_shard(model) too (after its layers), "
+            f"then hcv.apply(model, schedule)")
 
 
 # ---------------------------------------------------------------------------------------------- state
@@ -327,7 +329,9 @@ class _Applied:
             raise ScheduleMismatch(f"the schedule is for {self.first.length} stages but the chain has {chain.length}; "
                                    f"solve the chain again and take the schedule from it")
         params = list({id(p): p for p in model.parameters()}.values())
-        held = sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in params)
+        gathered = fsdp_param_dtype(model)  # FSDP2's MixedPrecisionPolicy: the parameters gathered in its dtype
+        held = sum(p.numel() * (gathered.itemsize if gathered is not None and p.is_floating_point()
+                                else p.element_size()) * (2 if p.requires_grad else 1) for p in params)
         if "param_bytes" in meta and meta["param_bytes"] != held:
             raise ScheduleMismatch(
                 f"the chain was profiled on a {meta.get('model')} with {format_bytes(meta['param_bytes'])} of "
@@ -513,8 +517,9 @@ class _Applied:
         if _Same(objects) != self.fingerprint:
             raise ScheduleMismatch(
                 f"the modules or parameters of this {type(model).__name__} changed after the schedule was applied "
-                f"(adapters added, a layer replaced, parameters sharded or re-created): its stages would run the old "
-                f"ones. Call hcv.remove(model), profile the model as it is now, and apply the new schedule")
+                f"(adapters added, a layer replaced, parameters sharded or re-created; with FSDP2, fully_shard the "
+                f"model before hcv.apply): its stages would run the old ones. Call hcv.remove(model), profile the "
+                f"model as it is now, and apply the new schedule")
         if hf_on:
             _refuse_hf_checkpointing(model, when="call")
         if modes != self.modes:  # dropout may come and go with submodules' modes: learn again which stages draw
@@ -540,12 +545,31 @@ def _walk(model: nn.Module) -> tuple[list, tuple[bool, ...], bool]:
     objects: list = []
     modes = []
     hf_on = False
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded by it
+    sharded: dict[int, nn.Parameter] = {}
     for m in model.modules():
         objects.append(m)
         objects.extend(p for p in m._parameters.values() if p is not None)
         modes.append(m.training)
         hf_on = hf_on or m.__dict__.get("gradient_checkpointing") is True
+        if fsdp is not None and isinstance(m, fsdp.FSDPModule):
+            sharded.update(_gathered_to_sharded(m))
+    if sharded:  # FSDP2 registers each parameter's gathered copy or its sharded form: one parameter either way
+        objects = [sharded.get(id(o), o) for o in objects]
     return objects, tuple(modes), hf_on
+
+
+def _gathered_to_sharded(module: nn.Module) -> dict[int, nn.Parameter]:
+    """For an FSDP2 module: the id of each gathered parameter (registered in the module from its pre-forward to its
+    reshard; the same object every step) -> its sharded parameter. FSDP2 has no public mapping (torch 2.13): its
+    state's parameter groups'."""
+    out = {}
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            gathered = getattr(fsdp_param, "_unsharded_param", None)
+            if gathered is not None:
+                out[id(gathered)] = fsdp_param.sharded_param
+    return out
 
 
 class _Same:
