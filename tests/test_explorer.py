@@ -573,3 +573,44 @@ def test_pipeline_view_needs_the_fixed_part(chain, solution):
         Explorer(chain, solution=solution, pipeline=(2, 4))
     with pytest.raises(HChainError, match=r"\(devices, microbatches\)"):
         Explorer(with_fixed(chain), pipeline=(2, 0))
+
+
+@pytest.fixture(scope="module")
+def long_chain():
+    return hcv.Chain.random(300, seed=5)  # coarse tables: the slider's answer at the least budget is 34% slow
+
+
+@pytest.mark.slow
+def test_a_long_chain_answer_is_refined_and_says_so(long_chain):
+    """Above about 250 stages the tables are coarse (solution.coarse); refine() shows Solution.refined's answer for
+    the budget on screen, and the stats say which answer it is."""
+    ex = Explorer(long_chain)
+    assert ex.solution.coarse and ex.budget >= ex.min_budget
+    ex.budget = ex.min_budget
+    first = ex.trace.makespan
+    assert "refined" not in ex._stats.value
+    ex.refine()
+    assert ex.trace.makespan < 0.8 * first and ex.trace.peak_memory <= ex.min_budget
+    assert ex.schedule.meta["source"] == "dp-refined" and "refined for this budget" in ex._stats.value
+    ex.budget = ex.min_budget + 1  # another budget: the tables' answer again, not said to be refined
+    assert "refined" not in ex._stats.value
+
+
+@pytest.mark.slow
+def test_the_slider_refines_in_the_background_in_a_notebook(long_chain):
+    """In a notebook (an event loop runs) a slider stop on a coarse solution refines on a thread; the answer
+    replaces the tables' when it comes, and the stats say it was refining meanwhile."""
+    ex = Explorer(long_chain)
+
+    async def drag() -> list[str]:
+        ex._budget_slider.value = ex.min_budget + 1  # the page's slider (no device: the slider is the budget)
+        said = [ex._stats.value]
+        for _ in range(600):
+            if ex._refining is None:
+                break
+            await asyncio.sleep(0.1)
+        return said
+
+    said = asyncio.run(drag())
+    assert "refining for this budget" in said[0]
+    assert "refined for this budget" in ex._stats.value and ex.schedule.meta["source"] == "dp-refined"

@@ -68,6 +68,9 @@ _MIN_BOTTOM_SLOTS = 8
 # L = 500 without a ladder: the build time of long chains stays as it was.
 _LADDER_SHARE = (1, 4)
 _LADDER_WORK = 350 * 500**3
+# Rungs of fewer slots leave the middle of the range coarse: 140-slot rungs kept random(200, 17) within 0.72% of a
+# 4000-slot table; 62-slot ones (L = 300) left 43 of 79 budgets more than 1% behind.
+_LADDER_FINE = 128
 # The whole-range table rounds a charge down when it exceeds whole slots by at most a fifth of a slot: its budgets
 # are then nearer the truth on average (the exact peaks decide what fits). Measured in docs/benchmarks.md.
 _ROUND_DOWN = (1, 5)
@@ -814,9 +817,12 @@ class Solution:
     """
 
     def __init__(self, chain: Chain, max_budget: int, slots: int, store_all_peak: int, tables: list[_Table],
-                 single_level: bool = False) -> None:
+                 single_level: bool = False, coarse: bool = False) -> None:
         self.chain = chain
         self.single_level = single_level
+        # Long chains: the ladder of tables was cut short to build in time, so answers in the middle of the range
+        # may be a few percent slower than refined() finds (docs/design.md §4.4)
+        self.coarse = coarse
         self.max_budget = int(max_budget)
         self.slots = int(slots)
         self.store_all_peak = int(store_all_peak)
@@ -1285,15 +1291,18 @@ def store_all_peak(chain: Chain) -> int:
     return peak_and_makespan(chain, store_all(chain))[0]
 
 
-def _ladder(L: int, bottom: int, top: int, whole: int, slots: int) -> list[tuple[int, int]]:
+def _ladder(L: int, bottom: int, top: int, whole: int, slots: int) -> tuple[list[tuple[int, int]], bool]:
     """``(span, slots)`` of the ladder's tables between a bottom table spanning ``bottom`` bytes and the whole range
-    ``top``, given ``slots`` in the other tables (see _LADDER_SHARE)."""
+    ``top``, given ``slots`` in the other tables (see _LADDER_SHARE), and whether the work cap left the ladder short
+    (the middle of the range is then coarse)."""
     n = max(_MIN_BOTTOM_SLOTS, whole * _LADDER_SHARE[0] // _LADDER_SHARE[1])
     spans, span = [], 2 * bottom
-    while 3 * span < 2 * top and (slots + n * (len(spans) + 1)) * L**3 <= _LADDER_WORK:
+    while 3 * span < 2 * top:
+        if (slots + n * (len(spans) + 1)) * L**3 > _LADDER_WORK:
+            return [(s, n) for s in spans], True
         spans.append(span)
         span *= 2
-    return [(s, n) for s in spans]
+    return [(s, n) for s in spans], bool(spans) and n < _LADDER_FINE
 
 
 def least_budget(chain: Chain) -> int:
@@ -1339,6 +1348,7 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
                           f"use fewer slots (try slots={max(1, slots * _MAX_TABLE_BYTES // need)})")
     threads = solver_threads(threads)
     least = _least_table(chain)
+    coarse = False
     if slots == max_budget or slots < 2 * _MIN_BOTTOM_SLOTS:  # exact, or too coarse to split
         tables = [_build_table(chain, max_budget, slots, (0, 1), threads, single_level)]
     else:  # a whole-range table and a finer one over the bottom of the range (docs/design.md §4)
@@ -1347,13 +1357,13 @@ def solve(chain: Chain, max_budget: int | str | None = None, slots: int = 500, *
         most = max(slots // 2, _BOTTOM_BYTES // ((L * (L + 1) // 2 + L + 1) * 10))  # slots within _BOTTOM_BYTES
         whole = min(int(slots / 2 * min(_BOTTOM_SHARE[1], max(1.0, cheap))), most)
         fine = min(int(slots * min(_BOTTOM_SHARE[1], max(_BOTTOM_SHARE[0], cheap / 2))), most)
+        ladder, coarse = _ladder(L, bottom, max_budget, whole, whole + fine)
         tables = [_build_table(chain, max_budget, whole, _ROUND_DOWN, threads, single_level),
-                  *[_build_table(chain, span, n, _ROUND_DOWN, threads, single_level)
-                    for span, n in _ladder(L, bottom, max_budget, whole, whole + fine)],
+                  *[_build_table(chain, span, n, _ROUND_DOWN, threads, single_level) for span, n in ladder],
                   _build_table(chain, bottom, fine, _BOTTOM_ROUND, threads, single_level)]
     if not single_level and least.max_budget <= max_budget:  # (that schedule may nest regions)
         tables.append(least)
-    return Solution(chain, max_budget, slots, peak, tables, single_level)
+    return Solution(chain, max_budget, slots, peak, tables, single_level, coarse)
 
 
 # optimal_schedule's finer table: at most this much work (slots x L^3; L = 500 at 500 slots is 6e10, ~3 s) and this

@@ -11,7 +11,9 @@ and has the board send the changed figures (:mod:`hchain_viz.viz.figures`); slid
 
 from __future__ import annotations
 
+import asyncio
 import html
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -201,6 +203,8 @@ class Explorer:
         self._unit = style.byte_unit(self.max_budget)  # one unit for every hover, so templates never change
         self._frontier = F.FrontierData.of(solution, self._baselines)
         self._cache: OrderedDict[tuple[str, int], tuple[TraceView, str]] = OrderedDict()
+        self._refined: set[int] = set()  # budgets whose optimal answer in the cache is Solution.refined's
+        self._refining: int | None = None  # the budget a background refinement works on
 
     # ------------------------------------------------------------------------------------------ public state
     @property
@@ -458,6 +462,49 @@ class Explorer:
     def clear_cache(self) -> None:
         """Forget the answers kept for recent budgets: the next move solves and simulates again."""
         self._cache.clear()
+        self._refined.clear()
+
+    def refine(self) -> None:
+        """Show :meth:`Solution.refined`'s answer at the current budget (about a second of solving). On a long
+        chain, whose tables are coarse in the middle of the range (``solution.coarse``), the slider does this by
+        itself in the background once it stops (docs/design.md §4.4)."""
+        self._take_refined(self._budget, self.solution.refined(self._budget))
+
+    def _take_refined(self, budget: int, sched: Schedule) -> None:
+        sched = Schedule(sched.ops, {**sched.meta, "strategy": OPTIMAL})
+        self._cache[(OPTIMAL, budget)] = (TraceView.of(simulate(self.chain, sched)), "")
+        self._refined.add(budget)
+        if budget == self._budget:
+            self._draw_budget()
+
+    def _refine_soon(self) -> None:
+        """In a notebook, refine the answer at the current budget on a thread (the solver's kernels run without the
+        GIL) and show it when it comes, if the budget is still the same; one refinement at a time, the newest
+        budget next."""
+        if not getattr(self.solution, "coarse", False) or self._budget in self._refined or self._refining is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a script: refine() on demand
+            return
+        budget = self._refining = self._budget
+        solution = self.solution
+
+        def work() -> None:
+            try:
+                sched = self.solution.refined(budget)
+            except Exception:  # noqa: BLE001 (the table's answer stays; nothing to show the user here)
+                sched = None
+            loop.call_soon_threadsafe(done, sched)
+
+        def done(sched: Schedule | None) -> None:
+            self._refining = None
+            if sched is not None and self.solution is solution:  # not a chain replaced meanwhile
+                self._take_refined(budget, sched)
+            self._refine_soon()  # the slider may have moved on meanwhile
+
+        threading.Thread(target=work, daemon=True, name="hchain_viz-refine").start()
+        self._draw_stats()  # says it is refining
 
     def _view_for(self, name: str, budget: int) -> tuple[TraceView, str]:
         key = (name, budget)
@@ -466,6 +513,7 @@ class Explorer:
             self._cache.move_to_end(key)
             return hit
         if name == OPTIMAL:
+            self._refined.discard(budget)  # (evicted from the cache, if it was)
             sched = self.solution.schedule(budget)  # a budget above max_budget is answered as max_budget
             note = ""
         else:
@@ -703,6 +751,7 @@ class Explorer:
     def _on_budget_slider(self, value: int) -> None:
         self._budget = self._check_budget(max(int(value) - self._offset, self.min_budget))
         self._draw_budget()
+        self._refine_soon()
 
     def _on_step_slider(self, value: int) -> None:
         self._step = min(int(value), self._view.n)
@@ -814,6 +863,10 @@ class Explorer:
             cells += "<tr class='hcv-none'><td>compare: none</td>" + "<td></td>" * (6 if whole else 5) + "</tr>"
         notes = [self._note or (f"peak exceeds the budget by {format_bytes(self._view.peak - b)}"
                                 if self._view.peak > b else "")]
+        if self._strategy == OPTIMAL and b in self._refined:
+            notes.append("optimal: refined for this budget")
+        elif self._strategy == OPTIMAL and self._refining == b:
+            notes.append("optimal: the tables' answer, refining for this budget…")
         o = self._overlay_view
         if o is not None and o.peak > b:  # compare shows a schedule that does not fit: say so, not only draw it
             notes.append(f"{self._overlay} peaks at {format_bytes(o.peak)}, {format_bytes(o.peak - b)} over the "
