@@ -206,8 +206,8 @@ def test_pipeline_bench_measures_a_tiny_gpt2_on_two_ranks(capsys):
     assert [r[1] for r in rows] == ["optimal", "balanced+uniform", "balanced+per-stage"]
     for r in rows:
         assert len(r) == len(head) and r[3].endswith("s") and float(r[4]) > 0 and r[5] == "±0%"  # one round
-        ratios = [float(v) for v in r[8].split(" | ")]
-        assert len(ratios) == 2 and all(0.9 <= v <= 1.0 for v in ratios), r
+        ratios = r[8].split(" | ")
+        assert len(ratios) == 2 and all(not v.endswith("!") and 0.9 <= float(v) <= 1.0 for v in ratios), r
     head, *gains = _table_rows(out, "P = 2: the gain split")
     assert head[:3] == ["limit", "per-stage (i)/(ii) predicted", "measured"] and len(gains) == 1
     assert all(v.endswith("x") for v in gains[0][1:]), gains

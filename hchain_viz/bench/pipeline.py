@@ -233,7 +233,7 @@ def _table(chain: Chain, P: int, M: int, fractions: tuple[float, ...] = FRACTION
             rows.append((format_bytes(limit), kind, format_time(plan.step_time), format_time(med[kind]),
                          f"{med[kind] / plan.step_time:.2f}", f"±{100 * (max(ts) - min(ts)) / 2 / med[kind]:.0f}%",
                          " | ".join(format_bytes(p) for _, p in peaks), " | ".join(format_bytes(m) for m, _ in peaks),
-                         " | ".join(f"{m / p:.3f}" for m, p in peaks)))
+                         " | ".join(f"{m / p:.3f}{'!' if m > p else ''}" for m, p in peaks)))
         t = {k: (v.step_time if v else None) for k, v in predicted[limit].items()}
         gains.append((format_bytes(limit), _gain(t["balanced+uniform"], t["balanced+per-stage"]),
                       _gain(med.get("balanced+uniform"), med.get("balanced+per-stage")),
@@ -243,7 +243,8 @@ def _table(chain: Chain, P: int, M: int, fractions: tuple[float, ...] = FRACTION
                       _gain(med.get("balanced+uniform") or med.get("balanced+per-stage"), med.get("optimal"))))
     print(f"\nP = {P} measured on {P} gloo CPU ranks ({wall:.0f} s): step times, interleaved rounds (median; noise = "
           f"half the range over the median; opt.step() included, not predicted); each rank's peak over one step "
-          f"above its weights and AdamW state, predicted (metered_peak) and measured (MemoryMeter)")
+          f"above its weights and AdamW state, predicted (metered_peak) and measured (MemoryMeter; ! marks one above "
+          f"its prediction)")
     print_table(("limit", "plan", "predicted", "measured", "measured/predicted", "noise", "predicted peaks",
                  "measured peaks", "measured/predicted peaks"), rows, left=2)
     print(f"\nP = {P}: the gain split, predicted and measured (medians); 'total' is over (i), or over (ii) where (i) "
