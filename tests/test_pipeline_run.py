@@ -120,6 +120,7 @@ def test_a_failing_rank_does_not_hang_the_other(tmp_path):
 
 def _memory_worker(rank: int, world: int, init_file: str, out_dir: str, chain_json: str) -> None:
     from hchain_viz.runtime.memtrack import MemoryMeter
+    from hchain_viz.runtime.pipeline import metered_peak
 
     _init(rank, world, init_file, 60)
     try:
@@ -174,6 +175,7 @@ def _logits_loss(output, target: torch.Tensor) -> torch.Tensor:
 
 def _hf_worker(rank: int, world: int, init_file: str, out_dir: str, chain_json: str, family: str) -> None:
     from hchain_viz.runtime.memtrack import MemoryMeter
+    from hchain_viz.runtime.pipeline import metered_peak
 
     _init(rank, world, init_file, 60)
     try:
@@ -201,9 +203,9 @@ def _hf_worker(rank: int, world: int, init_file: str, out_dir: str, chain_json: 
                 opt.step()
             # the chain puts a tied weight's gradient on the stage whose backward creates it (GPT-2: the LM head,
             # on the last rank) only; the first rank, which sums its embedding's part into it, holds it too
-            unattributed = sum(p.numel() * p.element_size() for p, used in run.tied if used and not run.is_last)
-            record["unattributed"] = unattributed
-            record["ratios"].append(meter.peak / (st.peak - st.chain.fixed.static_per_rank + unattributed))
+            predicted = metered_peak(plan, rank, stages)
+            record["unattributed"] = predicted - (st.peak - st.chain.fixed.static_per_rank)
+            record["ratios"].append(meter.peak / predicted)
         torch.save(record, os.path.join(out_dir, f"{family}{rank}.pt"))
         dist.barrier()
     finally:
