@@ -152,3 +152,21 @@ def test_pipeline_view_needs_the_fixed_part(chain, tmp_path):
         to_html(chain, tmp_path / "bad.html", n_budgets=2, pipeline=(2, 4))
     with pytest.raises(HChainError, match=r"\(devices, microbatches\)"):
         to_html(with_fixed(chain), tmp_path / "bad.html", n_budgets=2, pipeline=2)
+
+
+@pytest.mark.slow
+def test_a_long_chain_page_says_its_answers_are_coarse_or_refines_them(tmp_path):
+    """Above about 250 stages the tables are coarse (solution.coarse): the page says so, or refine=True answers each
+    budget with Solution.refined (at random(300, 5)'s least budget 20%+ faster than the tables')."""
+    chain = hcv.Chain.random(300, seed=5)
+    sol = hcv.solve(chain)
+    assert sol.coarse
+    plain = open(hcv.to_html(sol, tmp_path / "plain.html", n_budgets=2)).read()
+    refined = open(hcv.to_html(sol, tmp_path / "refined.html", n_budgets=2, refine=True)).read()
+    assert "coarse tables" in plain and "refine=True" in plain and "coarse tables" not in refined
+    assert "each answer refined for its budget" in refined
+    table, better = (hcv.simulate(chain, s).makespan for s in (sol.schedule(sol.min_budget),
+                                                                sol.refined(sol.min_budget)))
+    assert better < 0.8 * table  # the least budget's frame shows the refined answer, the plain page the table's
+    said = [f"makespan \\u003cb\\u003e{hcv.format_time(t)}\\u003c" for t in (table, better)]  # as JSON escapes it
+    assert said[0] in plain and said[1] not in plain and said[1] in refined and said[0] not in refined

@@ -24,6 +24,7 @@ from ..core.chain import Chain
 from ..core.simulate import simulate
 from ..core.units import format_bytes, format_time
 from ..errors import HChainError
+from ..runtime.progress import progress_bar
 from . import figures as F
 from . import style
 from .page import PLOTLY_CONFIG, plotly_js, script_json
@@ -34,7 +35,7 @@ __all__ = ["to_html"]
 
 
 def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int = 120, strategies: Any = None,
-            title: str | None = None, pipeline: tuple[int, int] | None = None) -> str:
+            title: str | None = None, pipeline: tuple[int, int] | None = None, refine: bool = False) -> str:
     """Write the offline explorer page for ``chain_or_solution`` (a Chain, or a Solution from ``hcv.solve``) to
     ``path`` and return the path.
 
@@ -42,7 +43,8 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
     peak (one precomputed frame each). ``strategies``: the baselines drawn on the frontier (see
     :func:`figures.frontier`: None for all, False for none, a list of names, or a mapping name → points).
     ``pipeline``: ``(devices, microbatches)`` adds the pipeline view (docs/design.md §12); the chain needs its fixed
-    part (profiled with ``optimizer=``), else HChainError.
+    part (profiled with ``optimizer=``), else HChainError. ``refine``: each budget's answer from
+    ``Solution.refined`` (about a second each), worth it where ``solution.coarse`` (docs/design.md §4.4).
     """
     pipe_section = ""
     chain = getattr(chain_or_solution, "chain", chain_or_solution)
@@ -66,8 +68,12 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
     unit = style.byte_unit(hi)
     frames, first = [], None
     start = (len(budgets) - 1) // 2  # the page opens halfway between the least feasible budget and store-all
+    refine = refine and hasattr(solution, "refined")  # (an offload solution has no finer table)
+    answer = solution.refined if refine else solution.schedule
+    bar = progress_bar(len(budgets), "refining", "budget", enabled=refine)
     for n, b in enumerate(budgets):
-        view = TraceView.of(simulate(chain, solution.schedule(b)))
+        view = TraceView.of(simulate(chain, answer(b)))
+        bar.update(1)
         tl_data, tl_lay = F.timeline_traces(view, None, unit), F.timeline_layout(view)
         mem_data, mem_lay = F.memory_traces(view, b, None, None, unit), F.memory_layout(view, b)
         tape_data, tape_lay = F.tape_traces(view, None, unit), F.tape_layout(view)
@@ -86,6 +92,7 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
             tape=dict(data=tape_data, layout={k: tape_lay[k] for k in F.DYNAMIC_LAYOUT if k in tape_lay}),
             frontier=F.frontier_budget_traces(fd, b),
         ))
+    bar.close()
     frontier_data = F.frontier_traces(fd, budgets[start], unit)
     payload = dict(
         frames=frames,
@@ -100,7 +107,10 @@ def to_html(chain_or_solution: Any, path: str | os.PathLike, *, n_budgets: int =
     page = _PAGE.format(
         title=html.escape(title),
         head=html.escape(f"store-all {format_time(chain.store_all_time)} at {format_bytes(solution.store_all_peak)}; "
-                         f"least feasible budget {format_bytes(lo)}; {len(frames)} budgets"),
+                         f"least feasible budget {format_bytes(lo)}; {len(frames)} budgets"
+                         + ("; each answer refined for its budget" if refine else
+                            "; answers from coarse tables (a long chain): to_html(..., refine=True) refines them"
+                            if getattr(solution, "coarse", False) else "")),
         plotlyjs=plotly_js(),
         data=script_json(payload),
         n_last=len(frames) - 1,
