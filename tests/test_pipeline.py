@@ -19,6 +19,7 @@ from hchain_viz.core.pipeline import (
     baseline_plans,
     fit_pipeline,
     in_flight,
+    interleaved_order,
     plan_pipeline,
     rank_order,
     split_units,
@@ -320,3 +321,139 @@ def test_view_slider_drives_both_figures_and_html_is_self_contained(tmp_path):
     data = json.loads(page.split('<script type="application/json" id="data">')[1].split("</script>")[0])
     assert len(data["frames"]) == 4 and "Plotly.react" in page
     assert [f["label"] for f in data["frames"]][0] == hcv.format_bytes(view.limits[0])
+
+
+# ---------------------------------------------------------------------------------------------- interleaved 1F1B
+def test_interleaved_order_is_torchs_and_gives_the_in_flight_counts():
+    # torch's ScheduleInterleaved1F1B, P = 2, v = 2, M = 4 (its pipeline_order without the idle slots)
+    assert interleaved_order(2, 2, 4, 0) == [
+        ("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("F", 0, 2), ("B", 1, 0), ("F", 0, 3), ("B", 1, 1),
+        ("F", 1, 2), ("B", 0, 0), ("F", 1, 3), ("B", 0, 1), ("B", 1, 2), ("B", 1, 3), ("B", 0, 2), ("B", 0, 3)]
+    for P, v, M in itertools.product((1, 2, 3, 4), (2, 3), (1, 2, 4, 6, 8, 12)):
+        if M % max(1, M // P):
+            with pytest.raises(InvalidPipeline, match="multiple of"):
+                interleaved_order(P, v, M, 0)
+            continue
+        for r in range(P):
+            order = interleaved_order(P, v, M, r)
+            assert sorted(order) == sorted((k, c, m) for k in "FB" for c in range(v) for m in range(M))
+            held, most = [0] * v, [0] * v
+            for k, c, m in order:
+                if k == "B":
+                    assert order.index(("F", c, m)) < order.index(("B", c, m))
+                held[c] += 1 if k == "F" else -1
+                most[c] = max(most[c], held[c])
+            assert [in_flight("interleaved", P, M, c * P + r, v) for c in range(v)] == most
+    # the first device's first chunk holds every microbatch of a round and more: (v - 1) M/rounds + 2 (P - 1) warm-up
+    assert [in_flight("interleaved", 4, 8, j, 2) for j in range(8)] == [8, 8, 7, 5, 4, 4, 3, 1]
+
+
+def test_interleaved_bubble_is_smaller_than_1f1b_at_equal_work():
+    c = hcv.Chain.homogeneous(8, fwd_time=1.0, bwd_time=2.0, x=100)
+    for P, M in ((2, 4), (4, 8), (4, 12)):
+        one = Pipeline(c, P, "1F1B").plan(M, 10**9)
+        two = Pipeline(c, P, "interleaved", chunks=2).plan(M, 10**9)
+        T = 3.0 * 8 / P  # F + B of a device's share of the layers
+        assert one.step_time == pytest.approx((M + P - 1) * T)
+        assert two.step_time == pytest.approx((M + (P - 1) / 2) * T)  # the bubble shrinks by v
+        assert two.simulate().bubble < one.simulate().bubble
+        assert two.devices == P and len(two.stages) == 2 * P and two.chunks == 2
+        assert all(len(evs) == 2 * 2 * M for evs in two.simulate().events)
+
+
+def test_interleaved_simulated_memory_peaks_are_the_predicted_peaks():
+    c = small_transformer(8)
+    for P, v, M in ((2, 2, 4), (2, 3, 2), (3, 2, 3)):
+        pipe = Pipeline(c, P, "interleaved", chunks=v)
+        least = pipe.least_memory(M)
+        for f in (1.0, 1.25, 3.0):
+            plan = pipe.plan(M, int(least * f))
+            tr = plan.simulate()
+            assert tr.peaks == plan.peaks and plan.peak <= int(least * f)
+            for r in range(P):
+                sts, (fixed, step) = plan.rank_stages(r), plan.rank_fixed(r)
+                # between one op's own peak alone and every chunk's most in flight under the largest op's curve
+                assert plan.peaks[r] >= fixed + max(max(st.run.working for st in sts), step)
+                assert plan.peaks[r] <= fixed + max(step, sum(st.in_flight * st.run.stored for st in sts) + max(
+                    max(st.run.fwd_peak, st.run.bwd_peak - st.run.stored) for st in sts))
+                chunks = {e.chunk for e in tr.events[r]}
+                assert chunks == set(range(v))
+        assert pipe.plan(M, least).peak <= least
+        with pytest.raises(PipelineDoesNotFit, match=f"is {least} B"):
+            pipe.plan(M, least - 1)
+
+
+def exhaustive_interleaved(pipe: Pipeline, M: int, limit: int) -> float:
+    """The least simulated step over every partition into v·P chunks, each device taking, of every choice of one
+    candidate per chunk whose device peak fits, the least total time (ties: smaller peak, then candidate order)."""
+    from hchain_viz.core.pipeline import rank_activation_peak
+
+    p, P, v = pipe._p, pipe.devices, pipe.chunks
+    U, S = len(p.units), P * v
+    best = math.inf
+    for inner in itertools.combinations(range(1, U), S - 1):
+        cuts = (0, *inner, U)
+        runs = {}
+        for r in range(P):
+            ranges = [(cuts[c * P + r], cuts[c * P + r + 1]) for c in range(v)]
+            fixed = sum(p.fixed(*g)[0] for g in ranges)
+            step = sum(p.fixed(*g)[1] for g in ranges)
+            fits = []
+            for n, combo in enumerate(itertools.product(*(p.runs(*g) for g in ranges))):
+                peak = fixed + max(step, rank_activation_peak(P, v, M, r, combo))
+                if peak <= limit:
+                    fits.append((sum(x.time for x in combo), peak, n, combo))
+            if not fits:
+                break
+            for c, run in enumerate(min(fits)[3]):
+                runs[c * P + r] = run
+        else:
+            stages = tuple(p.stage(cuts[j], cuts[j + 1], runs[j], in_flight("interleaved", P, M, j, v))
+                           for j in range(S))
+            best = min(best, PipelinePlan(pipe.chain, "interleaved", M, stages, pipe.bandwidth, chunks=v).step_time)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_interleaved_solver_matches_exhaustive_enumeration(seed):
+    c = with_fixed(hcv.Chain.random(7, seed=seed, scale=2**16))
+    for P, v, M in ((2, 2, 4), (2, 3, 2), (3, 2, 3)):
+        pipe = Pipeline(c, P, "interleaved", chunks=v, bandwidth=2e9)
+        least = pipe.least_memory(M)
+        for f in (1.0, 1.15, 1.5, 2.5):
+            limit = int(least * f)
+            plan = pipe.plan(M, limit)
+            assert plan.peak <= limit and plan.exact
+            assert plan.step_time == pytest.approx(exhaustive_interleaved(pipe, M, limit), rel=1e-12), (P, v, M, f)
+
+
+def test_interleaved_never_slower_than_the_baselines():
+    c = small_transformer(8)
+    pipe = Pipeline(c, 2, "interleaved", chunks=2)
+    least = pipe.least_memory(4)
+    fitted = 0
+    for f in (1.0, 1.2, 1.6, 2.5, 4.0):
+        limit = int(least * f)
+        plan = pipe.plan(4, limit)
+        bases = pipe.baselines(4, limit)
+        for name, base in bases.items():
+            if base is not None:
+                fitted += 1
+                assert base.peak <= limit and base.chunks == 2
+                assert plan.step_time <= base.step_time * (1 + 1e-12), (name, f)
+        if bases["balanced+uniform"] and bases["balanced+per-stage"]:
+            assert bases["balanced+per-stage"].step_time <= bases["balanced+uniform"].step_time * (1 + 1e-12)
+    assert fitted >= 4
+
+
+def test_interleaved_bad_input_raises_clear_errors():
+    c = small_transformer(4)
+    with pytest.raises(InvalidPipeline, match="chunks .* >= 2"):
+        Pipeline(c, 2, "interleaved", chunks=1)
+    with pytest.raises(InvalidPipeline, match="needs schedule=\"interleaved\""):
+        Pipeline(c, 2, "1F1B", chunks=2)
+    with pytest.raises(InvalidPipeline, match=r"8 pipeline stages \(4 devices x 2 chunks\) but .* only 4 layers"):
+        Pipeline(c, 4, "interleaved", chunks=2)
+    with pytest.raises(InvalidPipeline, match="multiple of max"):
+        plan_pipeline(c, 2, 5, "1GiB", schedule="Interleaved1F1B")
+    assert plan_pipeline(c, 2, 4, "1GiB", schedule="interleaved").chunks == 2

@@ -13,6 +13,12 @@ is found by a dynamic programme over split points, scored by :meth:`PipelinePlan
 of every rank (forwards and backwards per microbatch, recomputation inside the backwards, point-to-point transfers
 over a link of ``bandwidth`` bytes/s at each boundary).
 
+Interleaved 1F1B (torch's ``ScheduleInterleaved1F1B``): each device holds v chunks, chunk c of device r being
+virtual stage ``c * P + r``; a device's memory over time follows torch's order of its ops
+(:func:`interleaved_order`), its chunks' in-flight microbatches beside the running op, and the bubble shrinks to
+``(P - 1) / v`` stage times. The planner searches the v·P - 1 cuts; each device takes, of every choice of one
+candidate per chunk that fits, the least total time.
+
 Splits fall between layers: ``chain.groups`` when the chain has them (stages before the first group join it, those
 after the last join the last), else between any two stages.
 """
@@ -20,6 +26,8 @@ after the last join the last), else between any two stages.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,26 +45,113 @@ from .solver import _check_chain, solve
 from .strategies import per_layer, recompute_all, store_all
 from .units import format_bytes, format_time, parse_bytes
 
-PIPELINE_SCHEDULES = ("1F1B", "GPipe")
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "interleaved")
 
 __all__ = ["PIPELINE_SCHEDULES", "FitAnswer", "Pipeline", "PipelinePlan", "PipelineStage", "PipelineTrace", "StageRun",
-           "in_flight", "plan_pipeline", "baseline_plans", "fit_pipeline", "stage_chain", "split_units"]
+           "in_flight", "interleaved_order", "plan_pipeline", "baseline_plans", "fit_pipeline", "stage_chain",
+           "split_units"]
 
 
 # ------------------------------------------------------------------------------------------------ the model
 def pipeline_kind(schedule: Any) -> str:
-    """The canonical name of a pipeline schedule (``"1F1B"`` or ``"GPipe"``, any case). Raises InvalidPipeline."""
-    for name in PIPELINE_SCHEDULES:
-        if isinstance(schedule, str) and schedule.strip().lower() == name.lower():
-            return name
-    raise InvalidPipeline(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(PIPELINE_SCHEDULES)} "
-                          f"(interleaved schedules are not modelled)")
+    """The canonical name of a pipeline schedule (``"1F1B"``, ``"GPipe"`` or ``"interleaved"`` (torch's
+    ``ScheduleInterleaved1F1B``; also ``"interleaved1f1b"``), any case). Raises InvalidPipeline."""
+    name = schedule.strip().lower().replace(" ", "").replace("_", "") if isinstance(schedule, str) else None
+    if name == "interleaved1f1b":
+        return "interleaved"
+    for kind in PIPELINE_SCHEDULES:
+        if name == kind.lower():
+            return kind
+    raise InvalidPipeline(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(PIPELINE_SCHEDULES)}")
 
 
-def in_flight(kind: str, devices: int, microbatches: int, stage: int) -> int:
+def in_flight(kind: str, devices: int, microbatches: int, stage: int, chunks: int = 1) -> int:
     """Microbatches whose stored activations stage ``stage`` (from 0) holds at once: ``min(P - s, M)`` under 1F1B
-    (torch's ``Schedule1F1B`` runs that many warm-up forwards), ``M`` under GPipe."""
-    return microbatches if pipeline_kind(kind) == "GPipe" else min(devices - stage, microbatches)
+    (torch's ``Schedule1F1B`` runs that many warm-up forwards), ``M`` under GPipe; under interleaved 1F1B (``stage``
+    a virtual stage of ``devices * chunks``), the most that torch's order (:func:`interleaved_order`) holds."""
+    kind = pipeline_kind(kind)
+    if kind == "interleaved":
+        return _interleaved_model(devices, chunks, microbatches, stage % devices).most[stage // devices]
+    return microbatches if kind == "GPipe" else min(devices - stage, microbatches)
+
+
+def check_interleaved(devices: int, chunks: int, microbatches: int) -> None:
+    """Raise InvalidPipeline unless torch's ``ScheduleInterleaved1F1B`` runs ``microbatches`` on ``devices`` ranks of
+    ``chunks`` stages each: at least 2 chunks, and M a multiple of its rounds, ``max(1, M // P)``."""
+    if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 2:
+        raise InvalidPipeline(f"interleaved 1F1B needs chunks (model chunks per device) >= 2, got {chunks!r}; use "
+                              f"\"1F1B\" for one stage per device")
+    rounds = max(1, microbatches // devices)
+    if microbatches % rounds:
+        raise InvalidPipeline(f"torch's ScheduleInterleaved1F1B needs the microbatches to be a multiple of "
+                              f"max(1, M // P) = {rounds}; got M = {microbatches} on P = {devices}: use a multiple "
+                              f"of {devices}")
+
+
+def interleaved_order(devices: int, chunks: int, microbatches: int, rank: int) -> list[tuple[str, int, int]]:
+    """The ops of rank ``rank`` under torch's ``ScheduleInterleaved1F1B``, as ``("F" or "B", chunk, microbatch)``;
+    chunk c of rank r is virtual stage ``c * P + r``. As torch computes it: ``(v - 1) * M/rounds + 2 (P - 1 - r)``
+    warm-up forwards (at most ``v * M``), the forwards' chunk advancing every ``M/rounds`` ops, then one forward and
+    one backward in turn (the backwards from the last chunk down), then the remaining backwards."""
+    P, v, M = devices, chunks, microbatches
+    check_interleaved(P, v, M)
+    per_round = M // max(1, M // P)
+    warmup = min((v - 1) * per_round + 2 * (P - 1 - rank), M * v)
+    steady = M * v - warmup
+    f_next, b_next = [0] * v, [0] * v
+    order: list[tuple[str, int, int]] = []
+
+    def fwd(op: int) -> None:
+        c = (op // per_round) % v
+        order.append(("F", c, f_next[c]))
+        f_next[c] += 1
+
+    def bwd(op: int) -> None:
+        c = v - 1 - ((op - warmup) // per_round) % v
+        order.append(("B", c, b_next[c]))
+        b_next[c] += 1
+
+    for op in range(M * v + warmup):
+        if op < warmup:
+            fwd(op)
+        elif op < warmup + steady:
+            fwd(op)
+            bwd(op)
+        else:
+            bwd(op)
+    return order
+
+
+class _RankModel(NamedTuple):
+    """One rank's interleaved order with, before each op, how many microbatches each chunk holds (``held``), and the
+    most each chunk holds at once (``most``)."""
+
+    ops: tuple[tuple[str, int, int], ...]
+    held: tuple[tuple[int, ...], ...]
+    most: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _interleaved_model(devices: int, chunks: int, microbatches: int, rank: int) -> _RankModel:
+    ops = interleaved_order(devices, chunks, microbatches, rank)
+    held, now, most = [], [0] * chunks, [0] * chunks
+    for op, c, _ in ops:
+        held.append(tuple(now))
+        now[c] += 1 if op == "F" else -1
+        most[c] = max(most[c], now[c])
+    return _RankModel(tuple(ops), tuple(held), tuple(most))
+
+
+def rank_activation_peak(devices: int, chunks: int, microbatches: int, rank: int, runs: Sequence[StageRun]) -> int:
+    """Peak activation bytes of rank ``rank`` under interleaved 1F1B, its chunks run by ``runs``: over the ops of its
+    order, the stored bytes of every microbatch its chunks hold plus the running op's own curve (a forward's from
+    its start, a backward's in place of its microbatch's stored bytes)."""
+    model = _interleaved_model(devices, chunks, microbatches, rank)
+    best = 0
+    for (op, c, _), held in zip(model.ops, model.held):
+        base = sum(h * r.stored for h, r in zip(held, runs))
+        best = max(best, base + (runs[c].fwd_peak if op == "F" else runs[c].bwd_peak - runs[c].stored))
+    return best
 
 
 def split_units(chain: Chain) -> list[tuple[int, int]]:
@@ -156,6 +251,30 @@ class StageRun:
     def time(self) -> float:
         return self.fwd_time + self.bwd_time
 
+    @cached_property
+    def curves(self) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+        """The forward's and the backward's memory curves as ``(time, bytes)`` points (the backward's times from
+        the Loss's start)."""
+        ev = self.trace.events
+        k = next(n for n, e in enumerate(ev) if e.op.kind == "Loss")
+        fwd = [(0.0, self.trace.initial_memory)] + [p for e in ev[:k] for p in
+                                                    ((e.start, e.mem_before), (e.start, e.mem_peak),
+                                                     (e.end, e.mem_after))]
+        t0 = ev[k].start
+        bwd = [p for e in ev[k:] for p in ((e.start - t0, e.mem_before), (e.start - t0, e.mem_peak),
+                                           (e.end - t0, e.mem_after))]
+        return fwd, bwd
+
+    @cached_property
+    def fwd_peak(self) -> int:
+        """The highest point of the forward's curve (bytes)."""
+        return max(m for _, m in self.curves[0])
+
+    @cached_property
+    def bwd_peak(self) -> int:
+        """The highest point of the backward's curve (bytes; the microbatch's stored bytes included)."""
+        return max(m for _, m in self.curves[1])
+
     def need(self, in_flight: int) -> int:
         """Activation bytes at the peak with ``in_flight`` microbatches held: the others' stored bytes beside this
         one's working peak."""
@@ -200,7 +319,7 @@ class PipelineStage:
 
 class PipeEvent(NamedTuple):
     """One op on one rank's timeline: ``kind`` ``"F"`` or ``"B"`` of ``microbatch``; a B includes ``recompute``
-    seconds of recomputed forwards."""
+    seconds of recomputed forwards. ``chunk``: which of the rank's stages runs it (0 but under interleaved 1F1B)."""
 
     rank: int
     kind: str
@@ -208,6 +327,7 @@ class PipeEvent(NamedTuple):
     start: float
     end: float
     recompute: float
+    chunk: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -221,7 +341,9 @@ class PipelineTrace:
 
     @cached_property
     def memory(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-        return tuple(_rank_memory(st, evs, self.step_time) for st, evs in zip(self.plan.stages, self.events))
+        p = self.plan
+        return tuple(_rank_memory(p.rank_stages(r), p.rank_fixed(r), evs, self.step_time)
+                     for r, evs in enumerate(self.events))
 
     @property
     def peaks(self) -> tuple[int, ...]:
@@ -254,10 +376,11 @@ def rank_order(kind: str, devices: int, microbatches: int, stage: int) -> list[t
 class PipelinePlan:
     """A partition of ``chain`` into pipeline stages, each with its checkpointing schedule (docs/design.md §12).
 
-    ``kind``: ``"1F1B"`` or ``"GPipe"``; ``microbatches``: M; ``bandwidth``: bytes/s of the link between
-    neighbouring devices (None: transfers are free); ``label``: how it was chosen (``"optimal"``,
-    ``"balanced+uniform"``, ``"balanced+per-stage"``). ``simulate()`` gives the timeline and memory per rank;
-    ``step_time`` and ``peaks`` read it.
+    ``kind``: ``"1F1B"``, ``"GPipe"`` or ``"interleaved"``; ``microbatches``: M; ``bandwidth``: bytes/s of the link
+    between neighbouring devices (None: transfers are free); ``label``: how it was chosen (``"optimal"``,
+    ``"balanced+uniform"``, ``"balanced+per-stage"``); ``chunks``: v, stages per device (interleaved: ``stages``
+    holds the ``v * P`` virtual stages in pipeline order, stage j on device ``j % P``). ``simulate()`` gives the
+    timeline and memory per rank; ``step_time`` reads it.
     """
 
     chain: Chain = field(repr=False)
@@ -268,10 +391,26 @@ class PipelinePlan:
     label: str = "plan"
     memory_limit: int | None = None
     exact: bool = True  # False when the partition search stopped at its node limit (the best found is returned)
+    chunks: int = 1
 
     @property
     def devices(self) -> int:
-        return len(self.stages)
+        return len(self.stages) // self.chunks
+
+    def rank_of(self, stage: int) -> int:
+        """The device that runs (virtual) stage ``stage``."""
+        return stage % self.devices
+
+    def rank_stages(self, rank: int) -> tuple[PipelineStage, ...]:
+        """The stages device ``rank`` runs, its chunks in order."""
+        return self.stages[rank::self.devices]
+
+    def rank_fixed(self, rank: int) -> tuple[int, int]:
+        """Device ``rank``'s fixed memory and optimizer-step transient (bytes): its stages' sums, the libraries'
+        workspace once."""
+        sts = self.rank_stages(rank)
+        ws = self.chain.fixed.workspace if self.chain.fixed is not None else 0
+        return sum(st.fixed for st in sts) - (len(sts) - 1) * ws, sum(st.step_tmp for st in sts)
 
     @property
     def bounds(self) -> tuple[int, ...]:
@@ -280,8 +419,16 @@ class PipelinePlan:
 
     @property
     def peaks(self) -> tuple[int, ...]:
-        """Predicted peak device memory per stage (bytes)."""
-        return tuple(s.peak for s in self.stages)
+        """Predicted peak device memory per device (bytes); under interleaved 1F1B, its chunks' in-flight
+        microbatches as torch's order holds them (:func:`rank_activation_peak`)."""
+        if self.chunks == 1:
+            return tuple(s.peak for s in self.stages)
+        P, v, out = self.devices, self.chunks, []
+        for r in range(P):
+            fixed, step = self.rank_fixed(r)
+            acts = rank_activation_peak(P, v, self.microbatches, r, [st.run for st in self.rank_stages(r)])
+            out.append(fixed + max(acts, step))
+        return tuple(out)
 
     @property
     def peak(self) -> int:
@@ -307,10 +454,15 @@ class PipelinePlan:
         return simulate_pipeline(self)
 
     def describe(self) -> str:
-        lines = [f"{self.kind} pipeline, {self.devices} devices, {self.microbatches} microbatches ({self.label}): "
+        v = f" x {self.chunks} chunks" if self.chunks > 1 else ""
+        lines = [f"{self.kind} pipeline, {self.devices} devices{v}, {self.microbatches} microbatches ({self.label}): "
                  f"step {format_time(self.step_time)}, peak {format_bytes(self.peak)}"]
+        if self.chunks > 1:
+            lines.append("  device peaks: " + ", ".join(format_bytes(p) for p in self.peaks) + " (the stages' own "
+                         "numbers below count each alone)")
         for s, st in enumerate(self.stages):
-            lines.append(f"  stage {s}: {self.chain.names[st.first]} .. {self.chain.names[st.end - 1]} "
+            on = f" (device {self.rank_of(s)})" if self.chunks > 1 else ""
+            lines.append(f"  stage {s}{on}: {self.chain.names[st.first]} .. {self.chain.names[st.end - 1]} "
                          f"({st.end - st.first} stages), {st.in_flight} in flight, fixed {format_bytes(st.fixed)} + "
                          f"in flight {format_bytes(st.in_flight_bytes)} + working {format_bytes(st.working)} = "
                          f"{format_bytes(st.peak)}; {format_time(st.run.time)} per microbatch "
@@ -326,9 +478,54 @@ def simulate_pipeline(plan: PipelinePlan) -> PipelineTrace:
     schedule."""
     st = plan.stages
     comm = [plan.transfer_time(s.first) for s in st[1:]]
-    events = timeline(plan.kind, plan.microbatches, [s.run.fwd_time for s in st], [s.run.bwd_time for s in st],
-                      [c[0] for c in comm], [c[1] for c in comm], [s.run.recompute_time for s in st])
+    args = ([s.run.fwd_time for s in st], [s.run.bwd_time for s in st], [c[0] for c in comm], [c[1] for c in comm],
+            [s.run.recompute_time for s in st])
+    if plan.kind == "interleaved":
+        events = interleaved_timeline(plan.devices, plan.chunks, plan.microbatches, *args)
+    else:
+        events = timeline(plan.kind, plan.microbatches, *args)
     return PipelineTrace(plan, events, max(evs[-1].end for evs in events))
+
+
+def interleaved_timeline(devices: int, chunks: int, microbatches: int, fwd: Sequence[float], bwd: Sequence[float],
+                         send_fwd: Sequence[float], send_bwd: Sequence[float],
+                         recompute: Sequence[float] | None = None) -> tuple[tuple[PipeEvent, ...], ...]:
+    """Each rank's events under interleaved 1F1B: rank r runs :func:`interleaved_order`; virtual stage j
+    (``fwd[j]``, ``bwd[j]``, on rank ``j % P``) waits as in :func:`timeline`, the transfers at boundary j | j+1 taking
+    ``send_fwd[j]`` and ``send_bwd[j]`` (the last device sends to the first between chunks)."""
+    P, v, M = devices, chunks, microbatches
+    S = P * v
+    orders = [interleaved_order(P, v, M, r) for r in range(P)]
+    f_end: dict[tuple[int, int], float] = {}
+    b_end: dict[tuple[int, int], float] = {}
+    pos, free = [0] * P, [0.0] * P
+    events: list[list[PipeEvent]] = [[] for _ in range(P)]
+    left = sum(len(o) for o in orders)
+    while left:
+        moved = False
+        for r in range(P):
+            while pos[r] < len(orders[r]):
+                op, c, m = orders[r][pos[r]]
+                j = c * P + r
+                if op == "F":
+                    if j > 0 and (j - 1, m) not in f_end:
+                        break
+                    ready = f_end[(j - 1, m)] + send_fwd[j - 1] if j > 0 else 0.0
+                else:
+                    if j < S - 1 and (j + 1, m) not in b_end:
+                        break
+                    ready = b_end[(j + 1, m)] + send_bwd[j] if j < S - 1 else f_end[(j, m)]
+                start = max(free[r], ready)
+                end = free[r] = start + (fwd[j] if op == "F" else bwd[j])
+                (f_end if op == "F" else b_end)[(j, m)] = end
+                rec = recompute[j] if recompute and op == "B" else 0.0
+                events[r].append(PipeEvent(r, op, m, start, end, rec, c))
+                pos[r] += 1
+                left -= 1
+                moved = True
+        if not moved:  # torch's order respects the data dependencies
+            raise RuntimeError("internal error: the interleaved orders deadlock")
+    return tuple(tuple(e) for e in events)
 
 
 def timeline(kind: str, microbatches: int, fwd: Sequence[float], bwd: Sequence[float], send_fwd: Sequence[float],
@@ -375,32 +572,33 @@ def timeline(kind: str, microbatches: int, fwd: Sequence[float], bwd: Sequence[f
     return tuple(tuple(e) for e in events)
 
 
-def _rank_memory(st: PipelineStage, events: list[PipeEvent], step: float) -> tuple[np.ndarray, np.ndarray]:
-    """(times, bytes) of one rank: the stage trace's memory curve, split at its Loss, laid on each F and B."""
-    tr = st.run.trace
-    k = next(n for n, e in enumerate(tr.events) if e.op.kind == "Loss")
-    fwd_pts = [(0.0, tr.initial_memory)] + [p for e in tr.events[:k] for p in
-                                              ((e.start, e.mem_before), (e.start, e.mem_peak), (e.end, e.mem_after))]
-    bwd_pts = [p for e in tr.events[k:] for p in ((e.start, e.mem_before), (e.start, e.mem_peak),
-                                                   (e.end, e.mem_after))]
-    t0 = tr.events[k].start
-    stored, held = st.run.stored, 0
-    ts, ms = [0.0], [st.fixed]
+def _rank_memory(stages: Sequence[PipelineStage], fixed_step: tuple[int, int], events: Sequence[PipeEvent],
+                 step: float) -> tuple[np.ndarray, np.ndarray]:
+    """(times, bytes) of one rank: each stage trace's memory curve, split at its Loss, laid on each F and B of that
+    stage (``e.chunk``), above the stored bytes of every microbatch the rank's stages hold."""
+    fixed, step_tmp = fixed_step
+    held = [0] * len(stages)
+
+    def holding() -> int:
+        return fixed + sum(h * st.run.stored for h, st in zip(held, stages))
+
+    ts, ms = [0.0], [fixed]
     for e in events:
+        run = stages[e.chunk].run
+        fwd_pts, bwd_pts = run.curves
         if e.kind == "F":
-            base = st.fixed + held * stored
+            base = holding()
             pts = [(e.start + t, base + m) for t, m in fwd_pts]
-            held += 1
-            pts.append((e.end, st.fixed + held * stored))
+            held[e.chunk] += 1
         else:
-            base = st.fixed + (held - 1) * stored
-            pts = [(e.start + t - t0, base + m) for t, m in bwd_pts]
-            held -= 1
-            pts.append((e.end, st.fixed + held * stored))
+            base = holding() - run.stored
+            pts = [(e.start + t, base + m) for t, m in bwd_pts]
+            held[e.chunk] -= 1
+        pts.append((e.end, holding()))
         ts += [t for t, _ in pts]
         ms += [m for _, m in pts]
     ts += [step, step]
-    ms += [st.fixed + st.step_tmp, st.fixed]
+    ms += [fixed + step_tmp, fixed]
     return np.asarray(ts, float), np.asarray(ms, np.int64)
 
 
@@ -530,17 +728,28 @@ class Pipeline:
     counts (what the explorer's slider and :func:`fit_pipeline` need). See :func:`plan_pipeline`."""
 
     def __init__(self, chain: Chain, devices: int, schedule: str = "1F1B", *, bandwidth: float | str | None = None,
-                 slots: int = 200) -> None:
+                 slots: int = 200, chunks: int | None = None) -> None:
         self.chain = _check_chain(chain)
         self.kind = pipeline_kind(schedule)
         self.devices = _check_int(devices, "devices", "the number of pipeline stages")
+        if self.kind == "interleaved":
+            self.chunks = 2 if chunks is None else chunks
+            check_interleaved(self.devices, self.chunks, self.devices)
+        elif chunks not in (None, 1):
+            raise InvalidPipeline(f"chunks={chunks!r} (stages per device) needs schedule=\"interleaved\"; "
+                                  f"{self.kind} runs one stage per device")
+        else:
+            self.chunks = 1
         self.bandwidth = None if bandwidth is None else bandwidth_of(bandwidth)
         self._p = _Planner(self.chain, slots)
+        self._picks: dict[tuple, tuple[StageRun, ...] | None] = {}
         U = len(self._p.units)
-        if self.devices > U:
+        if self.devices * self.chunks > U:
             what = "layers (chain.groups)" if chain.groups else "stages"
-            raise InvalidPipeline(f"{self.devices} pipeline stages but the chain has only {U} {what} to split "
-                                  f"between them; use at most {U} devices")
+            each = f" x {self.chunks} chunks" if self.chunks > 1 else ""
+            raise InvalidPipeline(f"{self.devices * self.chunks} pipeline stages ({self.devices} devices{each}) but "
+                                  f"the chain has only {U} {what} to split between them; use at most {U} stages"
+                                  + (" (devices x chunks)" if self.chunks > 1 else " (devices)"))
 
     # ---------------------------------------------------------------- building plans
     def _plan(self, cuts: Sequence[int], M: int, limit: int | None, label: str,
@@ -573,8 +782,8 @@ class Pipeline:
         return cost
 
     def _min_sum(self, cost: list, cap: float) -> list[int] | None:
-        """Cuts minimising the sum of stage times with every stage at most ``cap``."""
-        P, U = self.devices, len(self._p.units)
+        """Cuts minimising the sum of stage times with every stage at most ``cap`` (``len(cost)`` stages)."""
+        P, U = len(cost), len(self._p.units)
         best = [[math.inf] * (U + 1) for _ in range(P + 1)]
         arg = [[-1] * (U + 1) for _ in range(P + 1)]
         best[0][0] = 0.0
@@ -601,6 +810,8 @@ class Pipeline:
         of the simulated step time (docs/design.md §12)."""
         M = _check_int(microbatches, "microbatches", "M, the microbatches per step")
         limit = _read_memory(memory)
+        if self.kind == "interleaved":
+            return self._plan_interleaved(M, limit)
         cost = self._cost(M, limit)
         best: PipelinePlan | None = None
         tried: set[tuple[int, ...]] = set()
@@ -689,8 +900,8 @@ class Pipeline:
 
     def balanced_cuts(self) -> list[int]:
         """Cuts minimising the slowest stage's store-all time (ties: the smaller sum), as time-balanced
-        partitioners do."""
-        P, U = self.devices, len(self._p.units)
+        partitioners do (``devices * chunks`` stages)."""
+        P, U = self.devices * self.chunks, len(self._p.units)
         t = [0.0]
         for a, b in self._p.units:
             t.append(t[-1] + sum(self.chain.fwd_time[a:b]) + sum(self.chain.bwd_time[a:b]))
@@ -708,6 +919,8 @@ class Pipeline:
         partition with each stage's fastest schedule that fits. None where it does not fit."""
         M, limit = _check_int(microbatches, "microbatches", "M"), _read_memory(memory)
         cuts = self.balanced_cuts()
+        if self.kind == "interleaved":
+            return self._baselines_interleaved(cuts, M, limit)
         out: dict[str, PipelinePlan | None] = {}
         for n, name in ((0, "store-all"), (1, "recomputation")):
             def pick(u0: int, u1: int, s: int, k: int, n: int = n) -> StageRun | None:
@@ -727,6 +940,8 @@ class Pipeline:
         ``bounds`` (each stage's first chain stage, as :attr:`PipelinePlan.bounds`), for that partition only."""
         M = _check_int(microbatches, "microbatches", "M")
         P, U = self.devices, len(self._p.units)
+        if self.kind == "interleaved":
+            return self._least_interleaved(M, bounds)
         if bounds is not None:
             firsts = [u0 for u0, _ in self._p.units]
             cuts = [firsts.index(b) for b in bounds] + [U]
@@ -742,6 +957,156 @@ class Pipeline:
                     if best[s][u0] < math.inf:
                         best[s + 1][u1] = min(best[s + 1][u1], max(best[s][u0], self._p.least(u0, u1, k)))
         return int(best[P][U])
+
+    # ---------------------------------------------------------------- interleaved 1F1B
+    def _rank_fixed(self, ranges: Sequence[tuple[int, int]]) -> tuple[int, int]:
+        fs = [self._p.fixed(u0, u1) for u0, u1 in ranges]
+        ws = self.chain.fixed.workspace if self.chain.fixed is not None else 0
+        return sum(f for f, _ in fs) - (len(fs) - 1) * ws, sum(t for _, t in fs)
+
+    def _combos(self, ranges: tuple[tuple[int, int], ...], rank: int, M: int) -> list[tuple[float, int, tuple]]:
+        """Every choice of one candidate per chunk of device ``rank`` (chunks on ``ranges``) as (total time, device
+        peak, runs), in the candidates' order (cached)."""
+        key = ("combos", ranges, rank, M)
+        if key not in self._picks:
+            fixed, step = self._rank_fixed(ranges)
+            out = []
+            for runs in itertools.product(*(self._p.runs(u0, u1) for u0, u1 in ranges)):
+                acts = rank_activation_peak(self.devices, self.chunks, M, rank, runs)
+                out.append((sum(r.time for r in runs), fixed + max(step, acts), runs))
+            self._picks[key] = out
+        return self._picks[key]
+
+    def rank_pick(self, ranges: Sequence[tuple[int, int]], rank: int, M: int,
+                  limit: int) -> tuple[StageRun, ...] | None:
+        """Device ``rank``'s schedules for its chunks on layer ranges ``ranges`` under interleaved 1F1B: of every
+        choice of one candidate per chunk whose device peak fits ``limit``, the least total time (ties: the smaller
+        peak, then the candidates' order). None when none fits."""
+        ranges = tuple(ranges)
+        key = ("pick", ranges, rank, M, limit)
+        if key not in self._picks:
+            fits = [(t, peak, n) for n, (t, peak, _) in enumerate(self._combos(ranges, rank, M)) if peak <= limit]
+            self._picks[key] = self._combos(ranges, rank, M)[min(fits)[2]][2] if fits else None
+        return self._picks[key]
+
+    def _rank_least(self, ranges: tuple[tuple[int, int], ...], rank: int, M: int) -> int:
+        return min(peak for _, peak, _ in self._combos(ranges, rank, M))
+
+    def _interleaved_plan(self, cuts: Sequence[int], M: int, limit: int | None, label: str,
+                          picks: Sequence[Sequence[StageRun] | None] | None = None) -> PipelinePlan | None:
+        """The plan with chunk cuts ``cuts`` (v·P + 1 of them); each device's runs from ``picks[rank]``, by default
+        :meth:`rank_pick`. None when a device has none."""
+        P, v = self.devices, self.chunks
+        runs: dict[int, StageRun] = {}
+        for r in range(P):
+            ranges = tuple((cuts[c * P + r], cuts[c * P + r + 1]) for c in range(v))
+            pick = picks[r] if picks is not None else self.rank_pick(ranges, r, M, limit if limit is not None
+                                                                     else 2**62)
+            if pick is None:
+                return None
+            for c, run in enumerate(pick):
+                runs[c * P + r] = run
+        stages = tuple(self._p.stage(cuts[j], cuts[j + 1], runs[j], in_flight("interleaved", P, M, j, v))
+                       for j in range(P * v))
+        return PipelinePlan(self.chain, self.kind, M, stages, self.bandwidth, label, limit, chunks=v)
+
+    def _plan_interleaved(self, M: int, limit: int) -> PipelinePlan:
+        """The fastest interleaved plan: a depth-first search over the v·P - 1 cuts, each device's chunks given
+        :meth:`rank_pick`'s schedules, scored by the simulated step; pruned by lower bounds (a device runs M forwards
+        and backwards of each of its chunks, each at least its fastest candidate's time; one microbatch passes
+        through every placed chunk) and by the devices' fixed memory. Starts from the baselines, so never slower."""
+        P, v, U, p = self.devices, self.chunks, len(self._p.units), self._p
+        S = P * v
+        interleaved_order(P, v, M, 0)  # torch's rules on M, before any work
+        best_plan = None
+        for base in self._baselines_interleaved(self.balanced_cuts(), M, limit).values():
+            if base is not None and (best_plan is None or base.step_time < best_plan.step_time):
+                best_plan = base
+        best = best_plan.step_time * (1 - 1e-12) if best_plan is not None else math.inf
+        comm_f, comm_b = [0.0] * (U + 1), [0.0] * (U + 1)
+        if self.bandwidth is not None:
+            for u in range(1, U):
+                comm_f[u] = self.chain.x[p.units[u][0]] / self.bandwidth
+                comm_b[u] = self.chain.delta_bytes[p.units[u][0]] / self.bandwidth
+        tmin: dict[tuple[int, int], float] = {}
+
+        def fastest(u0: int, u1: int) -> float:
+            if (u0, u1) not in tmin:
+                tmin[(u0, u1)] = min(r.time for r in p.runs(u0, u1))
+            return tmin[(u0, u1)]
+
+        cuts, busy, fixed = [0], [0.0] * P, [0] * P
+        found, leaves = None, 0
+        ws = self.chain.fixed.workspace if self.chain.fixed is not None else 0  # counted once per device
+
+        def dfs(j: int, u0: int, path: float) -> None:
+            nonlocal best, found, leaves
+            r = j % P
+            for u1 in ([U] if j == S - 1 else range(u0 + 1, U - (S - 1 - j) + 1)):
+                if leaves >= _SEARCH_LEAVES:
+                    return
+                t = fastest(u0, u1)
+                f = (p.fixed(u0, u1)[0] - (ws if j >= P else 0), p.fixed(u0, u1)[1])
+                if max(M * (busy[r] + t), path + t) >= best or fixed[r] + f[0] + f[1] > limit:
+                    continue
+                cuts.append(u1)
+                busy[r] += t
+                fixed[r] += f[0]
+                if j == S - 1:
+                    leaves += 1
+                    plan = self._interleaved_plan(cuts, M, limit, "optimal")
+                    if plan is not None and plan.step_time < best:
+                        best, found = plan.step_time * (1 - 1e-12), plan
+                else:
+                    dfs(j + 1, u1, path + t + comm_f[u1] + comm_b[u1])
+                cuts.pop()
+                busy[r] -= t
+                fixed[r] -= f[0]
+
+        dfs(0, 0, 0.0)
+        best_plan = found or best_plan
+        if best_plan is None:
+            raise self._does_not_fit(M, limit)
+        return dataclasses.replace(best_plan, label="optimal", exact=leaves < _SEARCH_LEAVES)
+
+    def _baselines_interleaved(self, cuts: list[int], M: int, limit: int) -> dict[str, PipelinePlan | None]:
+        P, v = self.devices, self.chunks
+        out: dict[str, PipelinePlan | None] = {}
+        for n, name in ((0, "store-all"), (1, "recomputation")):
+            picks = [tuple(self._p.uniform(cuts[c * P + r], cuts[c * P + r + 1])[n] for c in range(v))
+                     for r in range(P)]
+            plan = self._interleaved_plan(cuts, M, limit, f"balanced+uniform ({name})", picks)
+            if plan.peak <= limit:
+                out["balanced+uniform"] = plan
+                break
+        out.setdefault("balanced+uniform", None)
+        out["balanced+per-stage"] = self._interleaved_plan(cuts, M, limit, "balanced+per-stage")
+        return out
+
+    def _least_interleaved(self, M: int, bounds: Sequence[int] | None) -> int:
+        """The least device memory over every partition (or the one whose stages start at ``bounds``): the most any
+        device needs with its least-memory choice of candidates (an enumeration of partitions, pruned by the
+        devices' fixed memory)."""
+        P, v, U, p = self.devices, self.chunks, len(self._p.units), self._p
+        S = P * v
+        interleaved_order(P, v, M, 0)
+
+        def need(cuts: Sequence[int]) -> int:
+            return max(self._rank_least(tuple((cuts[c * P + r], cuts[c * P + r + 1]) for c in range(v)), r, M)
+                       for r in range(P))
+
+        if bounds is not None:
+            firsts = [u0 for u0, _ in p.units]
+            return need([firsts.index(b) for b in bounds] + [U])
+        best = math.inf
+        for inner in itertools.combinations(range(1, U), S - 1):
+            cuts = (0, *inner, U)
+            fixed = [0] * P
+            for j in range(S):
+                fixed[j % P] += p.fixed(cuts[j], cuts[j + 1])[0]
+            if max(fixed) < best:
+                best = min(best, need(cuts))
+        return int(best)
 
     def _does_not_fit(self, M: int, limit: int) -> PipelineDoesNotFit:
         least = self.least_memory(M)
@@ -761,28 +1126,32 @@ def _read_memory(memory: Any) -> int:
 
 
 def plan_pipeline(chain: Chain, devices: int, microbatches: int, memory: int | str, schedule: str = "1F1B", *,
-                  bandwidth: float | str | None = None, slots: int = 200) -> PipelinePlan:
+                  bandwidth: float | str | None = None, slots: int = 200, chunks: int | None = None) -> PipelinePlan:
     """The partition into ``devices`` stages and the per-stage schedules with the least predicted step time.
 
     Args:
         chain: the model at the microbatch size (its ``fixed`` part, when set, is split over the stages).
         devices: P, the pipeline stages, one per device. microbatches: M per step.
         memory: per-device memory limit (bytes or text like ``"24GiB"``), no margin taken off.
-        schedule: ``"1F1B"`` or ``"GPipe"``. bandwidth: the link between neighbouring devices, bytes/s each way
-            or a preset name (None: free transfers). slots: the per-stage solver's resolution.
+        schedule: ``"1F1B"``, ``"GPipe"`` or ``"interleaved"`` (torch's ``ScheduleInterleaved1F1B``, ``chunks``
+            stages per device, default 2). bandwidth: the link between neighbouring devices, bytes/s each way or a
+            preset name (None: free transfers). slots: the per-stage solver's resolution.
     Returns:
         a :class:`PipelinePlan` never slower in prediction than :func:`baseline_plans`' that fit.
     Raises:
         InvalidPipeline (more devices than layers, an unknown schedule, bad numbers); PipelineDoesNotFit with the
         least per-device memory for this P and M. See docs/design.md §12.
     """
-    return Pipeline(chain, devices, schedule, bandwidth=bandwidth, slots=slots).plan(microbatches, memory)
+    return Pipeline(chain, devices, schedule, bandwidth=bandwidth, slots=slots, chunks=chunks).plan(microbatches,
+                                                                                                    memory)
 
 
 def baseline_plans(chain: Chain, devices: int, microbatches: int, memory: int | str, schedule: str = "1F1B", *,
-                   bandwidth: float | str | None = None, slots: int = 200) -> dict[str, PipelinePlan | None]:
+                   bandwidth: float | str | None = None, slots: int = 200,
+                   chunks: int | None = None) -> dict[str, PipelinePlan | None]:
     """The two baselines of :func:`plan_pipeline` (see :meth:`Pipeline.baselines`); None where one does not fit."""
-    return Pipeline(chain, devices, schedule, bandwidth=bandwidth, slots=slots).baselines(microbatches, memory)
+    return Pipeline(chain, devices, schedule, bandwidth=bandwidth, slots=slots, chunks=chunks).baselines(
+        microbatches, memory)
 
 
 class FitAnswer(NamedTuple):
@@ -795,11 +1164,11 @@ class FitAnswer(NamedTuple):
 
 def fit_pipeline(chain: Chain, devices: int, memory: int | str, microbatches: Sequence[int] = (1, 2, 4, 8, 16),
                  schedule: str = "1F1B", *, bandwidth: float | str | None = None,
-                 slots: int = 200) -> list[FitAnswer]:
+                 slots: int = 200, chunks: int | None = None) -> list[FitAnswer]:
     """Does a step fit on ``devices`` devices at all, and with which microbatch counts: one :class:`FitAnswer` per
     count in ``microbatches`` (each microbatch is the chain's batch). The fastest per sample is the fitting answer
     with the least ``plan.step_time / microbatches``. Raises InvalidPipeline for bad input."""
-    pipe = Pipeline(chain, devices, schedule, bandwidth=bandwidth, slots=slots)
+    pipe = Pipeline(chain, devices, schedule, bandwidth=bandwidth, slots=slots, chunks=chunks)
     limit = _read_memory(memory)
     out = []
     for M in microbatches:
