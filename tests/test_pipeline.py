@@ -375,7 +375,8 @@ def test_interleaved_simulated_memory_peaks_are_the_predicted_peaks():
                 # between one op's own peak alone and every chunk's most in flight under the largest op's curve
                 assert plan.peaks[r] >= fixed + max(max(st.run.working for st in sts), step)
                 assert plan.peaks[r] <= fixed + max(step, sum(st.in_flight * st.run.stored for st in sts) + max(
-                    max(st.run.fwd_peak, st.run.bwd_peak - st.run.stored) for st in sts))
+                    max(st.run.fwd_peak, st.run.bwd_peak - st.run.stored) for st in sts) + M * sum(plan.rank_sent(r)))
+                assert all(b > 0 for b in plan.rank_sent(r))  # every chunk sends an output or a gradient
                 chunks = {e.chunk for e in tr.events[r]}
                 assert chunks == set(range(v))
         assert pipe.plan(M, least).peak <= least
@@ -386,7 +387,7 @@ def test_interleaved_simulated_memory_peaks_are_the_predicted_peaks():
 def exhaustive_interleaved(pipe: Pipeline, M: int, limit: int) -> float:
     """The least simulated step over every partition into v·P chunks, each device taking, of every choice of one
     candidate per chunk whose device peak fits, the least total time (ties: smaller peak, then candidate order)."""
-    from hchain_viz.core.pipeline import rank_activation_peak
+    from hchain_viz.core.pipeline import rank_activation_peak, sent_bytes
 
     p, P, v = pipe._p, pipe.devices, pipe.chunks
     U, S = len(p.units), P * v
@@ -398,9 +399,10 @@ def exhaustive_interleaved(pipe: Pipeline, M: int, limit: int) -> float:
             ranges = [(cuts[c * P + r], cuts[c * P + r + 1]) for c in range(v)]
             fixed = sum(p.fixed(*g)[0] for g in ranges)
             step = sum(p.fixed(*g)[1] for g in ranges)
+            sent = [sent_bytes(pipe.chain, *p.span(*g), c * P + r, S) for c, g in enumerate(ranges)]
             fits = []
             for n, combo in enumerate(itertools.product(*(p.runs(*g) for g in ranges))):
-                peak = fixed + max(step, rank_activation_peak(P, v, M, r, combo))
+                peak = fixed + max(step, rank_activation_peak(P, v, M, r, combo, sent))
                 if peak <= limit:
                     fits.append((sum(x.time for x in combo), peak, n, combo))
             if not fits:
@@ -457,3 +459,21 @@ def test_interleaved_bad_input_raises_clear_errors():
     with pytest.raises(InvalidPipeline, match="multiple of max"):
         plan_pipeline(c, 2, 5, "1GiB", schedule="Interleaved1F1B")
     assert plan_pipeline(c, 2, 4, "1GiB", schedule="interleaved").chunks == 2
+
+
+def test_interleaved_figures_show_each_device_with_its_chunks():
+    from hchain_viz.viz import pipeline as V
+
+    c = small_transformer(8)
+    pipe = Pipeline(c, 2, "interleaved", chunks=2)
+    limit = int(pipe.least_memory(4) * 1.1)
+    plan = pipe.plan(4, limit)
+    fig = V.memory_bars(plan)
+    unit = 2 ** 20 if "MiB" in fig.layout.yaxis.title.text else 2 ** 10
+    assert all(len(t.y) == 2 for t in fig.data)  # one bar per device, not per chunk
+    assert np.allclose(sum(np.asarray(t.y) for t in fig.data) * unit, plan.peaks)
+    assert np.allclose(np.asarray(fig.data[0].y) * unit, [plan.rank_fixed(r)[0] for r in range(2)])
+    assert all(t.count(" .. ") == 2 for t in fig.data[0].text)  # both chunks named
+    tl = V.timeline(plan)
+    assert len(tl.data[0].x) == len(tl.data[1].x) == 2 * 2 * 4
+    assert {t.split(" (")[1] for t in tl.data[0].text} == {"chunk 0)", "chunk 1)"}

@@ -123,35 +123,56 @@ def interleaved_order(devices: int, chunks: int, microbatches: int, rank: int) -
 
 
 class _RankModel(NamedTuple):
-    """One rank's interleaved order with, before each op, how many microbatches each chunk holds (``held``), and the
-    most each chunk holds at once (``most``)."""
+    """One rank's interleaved order with, before each op, how many microbatches each chunk holds (``held``) and how
+    many backwards each has done (``done``), and the most each chunk holds at once (``most``)."""
 
     ops: tuple[tuple[str, int, int], ...]
     held: tuple[tuple[int, ...], ...]
+    done: tuple[tuple[int, ...], ...]
     most: tuple[int, ...]
 
 
 @functools.lru_cache(maxsize=256)
 def _interleaved_model(devices: int, chunks: int, microbatches: int, rank: int) -> _RankModel:
     ops = interleaved_order(devices, chunks, microbatches, rank)
-    held, now, most = [], [0] * chunks, [0] * chunks
+    held, done, now, back, most = [], [], [0] * chunks, [0] * chunks, [0] * chunks
     for op, c, _ in ops:
         held.append(tuple(now))
+        done.append(tuple(back))
         now[c] += 1 if op == "F" else -1
+        back[c] += op == "B"
         most[c] = max(most[c], now[c])
-    return _RankModel(tuple(ops), tuple(held), tuple(most))
+    return _RankModel(tuple(ops), tuple(held), tuple(done), tuple(most))
 
 
-def rank_activation_peak(devices: int, chunks: int, microbatches: int, rank: int, runs: Sequence[StageRun]) -> int:
+def rank_activation_peak(devices: int, chunks: int, microbatches: int, rank: int, runs: Sequence[StageRun],
+                         sent: Sequence[int] | None = None) -> int:
     """Peak activation bytes of rank ``rank`` under interleaved 1F1B, its chunks run by ``runs``: over the ops of its
     order, the stored bytes of every microbatch its chunks hold plus the running op's own curve (a forward's from
-    its start, a backward's in place of its microbatch's stored bytes)."""
+    its start, a backward's in place of its microbatch's stored bytes), plus ``sent[c]`` bytes per backward chunk c
+    has done: torch's interleaved runtime waits for its sends only when the step ends, so each microbatch's sent
+    output and input gradient stay allocated until then (see :meth:`PipelinePlan.rank_sent`)."""
+    return sum(_rank_peak_parts(devices, chunks, microbatches, rank, runs, sent))
+
+
+def _rank_peak_parts(devices: int, chunks: int, microbatches: int, rank: int, runs: Sequence[StageRun],
+                     sent: Sequence[int] | None = None) -> tuple[int, int]:
+    """:func:`rank_activation_peak` as (what the device holds when the peak op starts, that op's own rise)."""
     model = _interleaved_model(devices, chunks, microbatches, rank)
-    best = 0
-    for (op, c, _), held in zip(model.ops, model.held):
-        base = sum(h * r.stored for h, r in zip(held, runs))
-        best = max(best, base + (runs[c].fwd_peak if op == "F" else runs[c].bwd_peak - runs[c].stored))
+    sent = sent or [0] * chunks
+    best = (microbatches * sum(sent), 0)  # after the last backward, before the sends are waited for
+    for (op, c, _), held, done in zip(model.ops, model.held, model.done):
+        base = sum(h * r.stored for h, r in zip(held, runs)) + sum(d * b for d, b in zip(done, sent))
+        rise = runs[c].fwd_peak if op == "F" else runs[c].bwd_peak - runs[c].stored
+        if base + rise > sum(best):
+            best = (base, rise)
     return best
+
+
+def sent_bytes(chain: Chain, first: int, end: int, stage: int, stages: int) -> int:
+    """What (virtual) stage ``stage`` of ``stages`` on chain stages ``first .. end-1`` sends per microbatch: its
+    output (but the last stage) and its input's gradient (but the first)."""
+    return (chain.x[end] if stage < stages - 1 else 0) + (chain.delta_bytes[first] if stage > 0 else 0)
 
 
 def split_units(chain: Chain) -> list[tuple[int, int]]:
@@ -342,7 +363,7 @@ class PipelineTrace:
     @cached_property
     def memory(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
         p = self.plan
-        return tuple(_rank_memory(p.rank_stages(r), p.rank_fixed(r), evs, self.step_time)
+        return tuple(_rank_memory(p.rank_stages(r), p.rank_fixed(r), p.rank_sent(r), evs, self.step_time)
                      for r, evs in enumerate(self.events))
 
     @property
@@ -405,6 +426,26 @@ class PipelinePlan:
         """The stages device ``rank`` runs, its chunks in order."""
         return self.stages[rank::self.devices]
 
+    def rank_sent(self, rank: int) -> tuple[int, ...]:
+        """Per chunk of device ``rank``: the bytes each backward leaves allocated until the step ends (interleaved:
+        the microbatch's sent output and input gradient, see :func:`rank_activation_peak`; else none)."""
+        S = len(self.stages)
+        if self.chunks == 1:
+            return (0,)
+        return tuple(sent_bytes(self.chain, self.stages[j].first, self.stages[j].end, j, S)
+                     for j in range(rank, S, self.devices))
+
+    def rank_parts(self, rank: int) -> tuple[int, int, int]:
+        """Device ``rank``'s peak as (fixed, other microbatches in flight, working): under interleaved 1F1B, what it
+        holds when its peak op starts (its chunks' stored microbatches and sent bytes) and that op's rise."""
+        if self.chunks == 1:
+            st = self.stages[rank]
+            return st.fixed, st.in_flight_bytes, st.peak - st.fixed - st.in_flight_bytes
+        fixed, step = self.rank_fixed(rank)
+        held, rise = _rank_peak_parts(self.devices, self.chunks, self.microbatches, rank,
+                                      [st.run for st in self.rank_stages(rank)], self.rank_sent(rank))
+        return (fixed, held, rise) if held + rise >= step else (fixed, 0, step)
+
     def rank_fixed(self, rank: int) -> tuple[int, int]:
         """Device ``rank``'s fixed memory and optimizer-step transient (bytes): its stages' sums, the libraries'
         workspace once."""
@@ -426,7 +467,8 @@ class PipelinePlan:
         P, v, out = self.devices, self.chunks, []
         for r in range(P):
             fixed, step = self.rank_fixed(r)
-            acts = rank_activation_peak(P, v, self.microbatches, r, [st.run for st in self.rank_stages(r)])
+            acts = rank_activation_peak(P, v, self.microbatches, r, [st.run for st in self.rank_stages(r)],
+                                        self.rank_sent(r))
             out.append(fixed + max(acts, step))
         return tuple(out)
 
@@ -572,15 +614,16 @@ def timeline(kind: str, microbatches: int, fwd: Sequence[float], bwd: Sequence[f
     return tuple(tuple(e) for e in events)
 
 
-def _rank_memory(stages: Sequence[PipelineStage], fixed_step: tuple[int, int], events: Sequence[PipeEvent],
-                 step: float) -> tuple[np.ndarray, np.ndarray]:
+def _rank_memory(stages: Sequence[PipelineStage], fixed_step: tuple[int, int], sent: Sequence[int],
+                 events: Sequence[PipeEvent], step: float) -> tuple[np.ndarray, np.ndarray]:
     """(times, bytes) of one rank: each stage trace's memory curve, split at its Loss, laid on each F and B of that
-    stage (``e.chunk``), above the stored bytes of every microbatch the rank's stages hold."""
+    stage (``e.chunk``), above the stored bytes of every microbatch the rank's stages hold and the ``sent`` bytes
+    each backward leaves until the step ends."""
     fixed, step_tmp = fixed_step
-    held = [0] * len(stages)
+    held, done = [0] * len(stages), [0] * len(stages)
 
     def holding() -> int:
-        return fixed + sum(h * st.run.stored for h, st in zip(held, stages))
+        return fixed + sum(h * st.run.stored for h, st in zip(held, stages)) + sum(d * b for d, b in zip(done, sent))
 
     ts, ms = [0.0], [fixed]
     for e in events:
@@ -594,6 +637,7 @@ def _rank_memory(stages: Sequence[PipelineStage], fixed_step: tuple[int, int], e
             base = holding() - run.stored
             pts = [(e.start + t, base + m) for t, m in bwd_pts]
             held[e.chunk] -= 1
+            done[e.chunk] += 1
         pts.append((e.end, holding()))
         ts += [t for t, _ in pts]
         ms += [m for _, m in pts]
@@ -970,9 +1014,12 @@ class Pipeline:
         key = ("combos", ranges, rank, M)
         if key not in self._picks:
             fixed, step = self._rank_fixed(ranges)
+            P, S = self.devices, self.devices * self.chunks
+            sent = [sent_bytes(self.chain, *self._p.span(u0, u1), c * P + rank, S) for c, (u0, u1) in
+                    enumerate(ranges)]
             out = []
             for runs in itertools.product(*(self._p.runs(u0, u1) for u0, u1 in ranges)):
-                acts = rank_activation_peak(self.devices, self.chunks, M, rank, runs)
+                acts = rank_activation_peak(self.devices, self.chunks, M, rank, runs, sent)
                 out.append((sum(r.time for r in runs), fixed + max(step, acts), runs))
             self._picks[key] = out
         return self._picks[key]

@@ -3,7 +3,8 @@
 ``hcv.pipeline(model, plan, loss_fn)`` is called on every rank of a process group of ``plan.devices`` ranks. It cuts
 ``model`` into the plan's stages (the chain's stages, as ``hcv.sequentialize`` finds them), wraps this rank's stages
 with their checkpointing schedule (``hcv.wrap``: the executor, same gradients as eager), and returns a
-:class:`PipelineRun` whose ``step`` runs one training step with torch's ``Schedule1F1B`` or ``ScheduleGPipe``.
+:class:`PipelineRun` whose ``step`` runs one training step with torch's ``Schedule1F1B``, ``ScheduleGPipe`` or
+``ScheduleInterleaved1F1B`` (an interleaved plan: rank r builds its v stages ``c * P + r``).
 
 A rank that fails does not leave the others waiting for ever: they wait at most the process group's timeout
 (``dist.init_process_group(..., timeout=...)``), then raise.
@@ -30,8 +31,9 @@ __all__ = ["pipeline", "PipelineRun", "metered_peak"]
 
 @dataclass
 class PipelineRun:
-    """This rank's part of a pipeline: ``module`` (its stages, trained by ``schedule``), torch's ``stage`` and
-    ``runner`` (the ``Schedule1F1B`` / ``ScheduleGPipe``). Call :meth:`step` on every rank."""
+    """This rank's part of a pipeline: ``module`` (its stages, trained by ``schedule``; interleaved: an
+    ``nn.ModuleList`` of its chunks), torch's ``stage`` (interleaved: the list of its stages) and ``runner`` (the
+    ``Schedule1F1B`` / ``ScheduleGPipe`` / ``ScheduleInterleaved1F1B``). Call :meth:`step` on every rank."""
 
     plan: PipelinePlan
     rank: int
@@ -79,7 +81,8 @@ def pipeline(model: nn.Module, plan: PipelinePlan, loss_fn: Any, *, group: Any =
         plan: from ``hcv.plan_pipeline(chain, ...)`` with the chain profiled at the microbatch size.
         loss_fn: ``loss_fn(output, target)`` per microbatch, on the last rank; a model output that is a mapping (a
             Hugging Face ``ModelOutput``) reaches it as its one tensor (the logits) or the tuple of its tensors.
-        group: the process group (default the world); its size must be ``plan.devices``, rank r runs stage r.
+        group: the process group (default the world); its size must be ``plan.devices``, rank r runs stage r
+            (interleaved: stages ``c * P + r``, one per chunk c).
         stages: the ``(name, module)`` list of the chain's stages (default ``hcv.sequentialize(model)``).
     Returns:
         a :class:`PipelineRun`; call ``run.step(...)`` on every rank.
@@ -87,7 +90,7 @@ def pipeline(model: nn.Module, plan: PipelinePlan, loss_fn: Any, *, group: Any =
         InvalidPipeline when the world size is not the plan's stage count or the model's stages are not the
         chain's. See docs/design.md §12.
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     if not isinstance(plan, PipelinePlan):
         raise InvalidPipeline(f"pipeline() needs a PipelinePlan (hcv.plan_pipeline(...)), got {type(plan).__name__}")
@@ -104,16 +107,25 @@ def pipeline(model: nn.Module, plan: PipelinePlan, loss_fn: Any, *, group: Any =
         raise InvalidPipeline(f"the model's stages ({len(names)}: {', '.join(names[:4])}, ...) are not the plan's "
                               f"chain's ({plan.chain.length}: {', '.join(plan.chain.names[:4])}, ...); plan with the "
                               f"chain hcv.profile(model, ...) gives for this model")
-    st = plan.stages[rank]
-    part = nn.Sequential(OrderedDict((name.replace(".", "_"), module) for name, module in stages[st.first:st.end]))
-    module = wrap(part, st.schedule)
-    if rank == world - 1:
-        module = _TensorOutput(module)
-    stage = PipelineStage(module, rank, world, torch.device(device), group=group)
-    _keep_grads_through_inference(stage, module)
+    S = len(plan.stages)
+    modules, torch_stages = [], []
+    for j in range(rank, S, world):  # interleaved: chunk c of this rank is stage c * P + rank; else stage rank alone
+        st = plan.stages[j]
+        part = nn.Sequential(OrderedDict((name.replace(".", "_"), module) for name, module in stages[st.first:st.end]))
+        module = wrap(part, st.schedule)
+        if j == S - 1:
+            module = _TensorOutput(module)
+        stage = PipelineStage(module, j, S, torch.device(device), group=group)
+        _keep_grads_through_inference(stage, module)
+        modules.append(module)
+        torch_stages.append(stage)
+    if plan.kind == "interleaved":
+        runner = ScheduleInterleaved1F1B(torch_stages, n_microbatches=plan.microbatches, loss_fn=loss_fn)
+        return PipelineRun(plan, rank, nn.ModuleList(modules), torch_stages, runner, group,
+                           _tied_parameters(stages, plan, rank))
     runner_cls = Schedule1F1B if plan.kind == "1F1B" else ScheduleGPipe
-    runner = runner_cls(stage, n_microbatches=plan.microbatches, loss_fn=loss_fn)
-    return PipelineRun(plan, rank, module, stage, runner, group, _tied_parameters(stages, plan, rank))
+    runner = runner_cls(torch_stages[0], n_microbatches=plan.microbatches, loss_fn=loss_fn)
+    return PipelineRun(plan, rank, modules[0], torch_stages[0], runner, group, _tied_parameters(stages, plan, rank))
 
 
 def _tied_parameters(stages: list[tuple[str, nn.Module]], plan: PipelinePlan,
@@ -127,24 +139,35 @@ def _tied_parameters(stages: list[tuple[str, nn.Module]], plan: PipelinePlan,
 def _parameter_ranks(stages: list[tuple[str, nn.Module]],
                      plan: PipelinePlan) -> list[tuple[nn.Parameter, set[int]]]:
     """Every parameter of the stages, in their order, with the ranks whose stages use it."""
-    ranks: dict[int, tuple[nn.Parameter, set[int]]] = {}
-    for r, st in enumerate(plan.stages):
+    return [(param, {plan.rank_of(j) for j in used}) for param, used in _parameter_stages(stages, plan)]
+
+
+def _parameter_stages(stages: list[tuple[str, nn.Module]],
+                      plan: PipelinePlan) -> list[tuple[nn.Parameter, list[int]]]:
+    """Every parameter of the stages, in their order, with the plan's stages that use it (ascending)."""
+    used: dict[int, tuple[nn.Parameter, list[int]]] = {}
+    for j, st in enumerate(plan.stages):
         for _, module in stages[st.first:st.end]:
             for param in module.parameters():
-                ranks.setdefault(id(param), (param, set()))[1].add(r)
-    return list(ranks.values())
+                entry = used.setdefault(id(param), (param, []))[1]
+                if j not in entry:
+                    entry.append(j)
+    return list(used.values())
 
 
 def metered_peak(plan: PipelinePlan, rank: int, stages: list[tuple[str, nn.Module]]) -> int:
     """Rank ``rank``'s predicted peak as a ``MemoryMeter`` around ``run.step`` sees it (a step after the first, in
     which torch also infers shapes): the plan's peak less the parameters and optimizer state, allocated before the
     step, plus the gradient of each weight this rank shares with a later one. The chain counts a tied weight's
-    gradient once, on the last stage that uses it (GPT-2's LM head); an earlier rank (its embedding) holds one too.
+    gradient once, on the last stage that uses it (GPT-2's LM head); another rank that uses it (its embedding)
+    holds one too. Interleaved: the rank's peak over its chunks, less their static memory (the workspace once).
     ``stages``: the chain's ``(name, module)`` list, as ``pipeline`` was given it."""
-    st = plan.stages[rank]
-    untracked = sum(p.numel() * p.element_size() for p, used in _parameter_ranks(stages, plan)
-                    if rank in used and rank < max(used))
-    return st.peak - st.chain.fixed.static_per_rank + untracked
+    untracked = sum(p.numel() * p.element_size() for p, used in _parameter_stages(stages, plan)
+                    if rank in {plan.rank_of(j) for j in used} and plan.rank_of(used[-1]) != rank)
+    sts = plan.rank_stages(rank)
+    ws = plan.chain.fixed.workspace
+    static = sum(st.chain.fixed.static_per_rank for st in sts) - (len(sts) - 1) * ws
+    return plan.peaks[rank] - static + untracked
 
 
 class _TensorOutput(nn.Module):

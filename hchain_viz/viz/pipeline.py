@@ -54,10 +54,12 @@ def memory_bars_traces(plan: PipelinePlan, unit: tuple[str, int] | None = None) 
     plan = _check_plan(plan)
     uname, scale = unit or style.byte_unit(plan.peak)
     devices = [f"device {s}" for s in range(plan.devices)]
-    parts = {"fixed": [st.fixed for st in plan.stages], "in flight": [st.in_flight_bytes for st in plan.stages],
-             "working": [st.peak - st.fixed - st.in_flight_bytes for st in plan.stages]}
-    text = [f"{plan.chain.names[st.first]} .. {plan.chain.names[st.end - 1]}: {st.in_flight} in flight, "
-            f"{st.schedule.n_recomputed} recomputed forwards, peak {format_bytes(st.peak)}" for st in plan.stages]
+    split = [plan.rank_parts(r) for r in range(plan.devices)]  # interleaved: a device's chunks together
+    parts = {"fixed": [f for f, _, _ in split], "in flight": [k for _, k, _ in split],
+             "working": [w for _, _, w in split]}
+    text = ["; ".join(f"{plan.chain.names[st.first]} .. {plan.chain.names[st.end - 1]}: {st.in_flight} in flight, "
+                      f"{st.schedule.n_recomputed} recomputed forwards" for st in plan.rank_stages(r))
+            + f", peak {format_bytes(plan.peaks[r])}" for r in range(plan.devices)]
     return [dict(type="bar", name=PART_LABELS[k], x=devices, y=np.asarray(v, float) / scale, text=text,
                  textposition="none", marker=dict(color=PART_COLORS[k], line_width=0),
                  hovertemplate="%{text}<br>" + k + " %{y:.4g} " + uname + "<extra></extra>")
@@ -102,12 +104,16 @@ def timeline_traces(plan: PipelinePlan) -> list[dict]:
 
     return [
         bars(F, "forward", style.OP_COLORS["forward"], [e.start for e in F], [e.end - e.start for e in F],
-             [f"F{e.microbatch}" for e in F]),
+             [f"F{e.microbatch}{_chunk(plan, e)}" for e in F]),
         bars(B, "backward", style.OP_COLORS["backward"], [e.start + e.recompute for e in B],
-             [e.end - e.start - e.recompute for e in B], [f"B{e.microbatch}" for e in B]),
+             [e.end - e.start - e.recompute for e in B], [f"B{e.microbatch}{_chunk(plan, e)}" for e in B]),
         bars(B, "recomputation inside the backward", style.OP_COLORS["recompute"], [e.start for e in B],
              [e.recompute for e in B], [f"B{e.microbatch}: recomputed forwards" for e in B]),
     ]
+
+
+def _chunk(plan: PipelinePlan, e: Any) -> str:
+    return f" (chunk {e.chunk})" if plan.chunks > 1 else ""
 
 
 def timeline_layout(plan: PipelinePlan) -> dict:
