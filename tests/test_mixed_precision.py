@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from gloo import gloo_rank
+from tiny_lm import BATCH, SEQ, VOCAB, Tokens, fit_with_lightning
 from torch import nn
 
 import hchain_viz as hcv
@@ -24,7 +25,6 @@ from hchain_viz.runtime.train.wrap import ScheduledModule
 pytestmark = pytest.mark.torch
 transformers = pytest.importorskip("transformers")
 
-SEQ, BATCH, VOCAB = 16, 4, 64
 BF16 = torch.bfloat16
 
 
@@ -168,17 +168,6 @@ def test_a_precision_the_profile_cannot_run_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------- libraries
-class _Tokens(torch.utils.data.Dataset):
-    """Fixed random token sequences with an attention mask, as a tokenized dataset gives them."""
-
-    def __len__(self) -> int:
-        return 3 * BATCH
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": ids.clone()}
-
-
 def test_hf_trainer_bf16_trains_like_the_plain_model(tmp_path):
     """Trainer(bf16=True) autocasts inside its step, after hcv.checkpoint ran: checkpoint(autocast=torch.bfloat16)
     profiles in that precision. The loss argument the Trainer adds (num_items_in_batch) and accelerate's autocast
@@ -187,7 +176,7 @@ def test_hf_trainer_bf16_trains_like_the_plain_model(tmp_path):
     for applied in (True, False):
         model, _ = _model("gpt2")
         if applied:
-            batch = {k: torch.stack([_Tokens()[i][k] for i in range(BATCH)]) for k in _Tokens()[0]}
+            batch = {k: torch.stack([Tokens()[i][k] for i in range(BATCH)]) for k in Tokens()[0]}
             sol = hcv.solve(hcv.profile(model, batch, warmup=0, repeats=1, progress=False, autocast=BF16))
             budget = (sol.min_budget + sol.store_all_peak) // 2
             hcv.checkpoint(model, batch, budget, autocast=BF16, progress=False, verbose=False)
@@ -206,7 +195,7 @@ def test_hf_trainer_bf16_trains_like_the_plain_model(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             warnings.simplefilter("error", PrecisionWarning)
-            transformers.Trainer(model=model, args=args, train_dataset=_Tokens()).train()
+            transformers.Trainer(model=model, args=args, train_dataset=Tokens()).train()
         handle.remove()
         runs.append((losses, model))
     (got, a), (want, b) = runs
@@ -223,7 +212,7 @@ def test_accelerate_bf16_with_gradient_accumulation_trains_like_the_plain_model(
             _apply_schedule(model, {k: v[:BATCH // 2] for k, v in batch.items()}, autocast=BF16)
         accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        loader = torch.utils.data.DataLoader(_Tokens(), batch_size=BATCH // 2)
+        loader = torch.utils.data.DataLoader(Tokens(), batch_size=BATCH // 2)
         net, opt, loader = accelerator.prepare(model, opt, loader)
         losses = []
         torch.manual_seed(0)
@@ -241,36 +230,13 @@ def test_accelerate_bf16_with_gradient_accumulation_trains_like_the_plain_model(
 
 
 def test_lightning_bf16_mixed_trains_like_the_plain_model():
-    pl = pytest.importorskip("pytorch_lightning")
-
-    class LitLM(pl.LightningModule):
-        def __init__(self, model: nn.Module):
-            super().__init__()
-            self.model = model
-            self.losses: list[torch.Tensor] = []
-
-        def training_step(self, batch, batch_idx):
-            out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
-            self.losses.append(out.loss.detach().clone())
-            return out.loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
     runs = []
     for applied in (True, False):
         model, batch = _model("llama")
         if applied:
             _apply_schedule(model, batch, autocast=BF16)
-        lit = LitLM(model)
-        pl.seed_everything(0, verbose=False)
-        trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, precision="bf16-mixed", logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            warnings.simplefilter("error", PrecisionWarning)
-            trainer.fit(lit, torch.utils.data.DataLoader(_Tokens(), batch_size=BATCH))
-        runs.append(lit)
+        runs.append(fit_with_lightning(model, lambda m, batch: m(input_ids=batch["input_ids"], labels=batch["labels"]),
+                                       precision="bf16-mixed"))
     got, want = runs
     assert len(got.losses) == 3 and _bitwise(got.losses, want.losses)
     assert _bitwise(list(got.model.state_dict().values()), list(want.model.state_dict().values()))

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 from gloo import gloo_rank
+from tiny_lm import BATCH, SEQ, VOCAB, Tokens, fit_with_lightning
 from torch import nn
 
 import hchain_viz as hcv
@@ -20,7 +21,6 @@ from hchain_viz.errors import DoubleCheckpointing
 
 pytestmark = pytest.mark.torch
 
-SEQ, BATCH, VOCAB = 16, 4, 64
 
 
 def _gpt2(layers: int = 2):
@@ -33,22 +33,8 @@ def _gpt2(layers: int = 2):
         return transformers.GPT2LMHeadModel(config)
 
 
-class _Tokens(torch.utils.data.Dataset):
-    """Fixed random token sequences, as a tokenized dataset gives them (causal LM: labels are the tokens)."""
-
-    def __init__(self, size: int = 3 * BATCH):
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": ids.clone()}
-
-
 def _batch() -> dict[str, torch.Tensor]:
-    data = _Tokens()
+    data = Tokens()
     return {k: torch.stack([data[i][k] for i in range(BATCH)]) for k in data[0]}
 
 
@@ -75,7 +61,7 @@ def _losses_of(model: nn.Module) -> tuple[list, object]:
     return losses, model.register_forward_hook(hook, with_kwargs=True)
 
 
-def _hf_train(model: nn.Module, out_dir: str, data: _Tokens | None = None, **args) -> list[torch.Tensor]:
+def _hf_train(model: nn.Module, out_dir: str, data: Tokens | None = None, **args) -> list[torch.Tensor]:
     import transformers
 
     losses, handle = _losses_of(model)
@@ -84,7 +70,7 @@ def _hf_train(model: nn.Module, out_dir: str, data: _Tokens | None = None, **arg
     targs = transformers.TrainingArguments(output_dir=out_dir, per_device_train_batch_size=BATCH, **args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        transformers.Trainer(model=model, args=targs, train_dataset=data or _Tokens()).train()
+        transformers.Trainer(model=model, args=targs, train_dataset=data or Tokens()).train()
     handle.remove()
     return losses
 
@@ -117,7 +103,7 @@ def test_hf_trainer_epochs_ending_with_a_smaller_batch_train_like_the_plain_mode
     plain = copy.deepcopy(model)
     plain.config.use_cache = False
     _apply_schedule(model)
-    data = _Tokens(2 * BATCH + 3)  # batches of 4, 4 and 3 samples an epoch
+    data = Tokens(2 * BATCH + 3)  # batches of 4, 4 and 3 samples an epoch
     got = _hf_train(model, str(tmp_path / "applied"), data, max_steps=-1, num_train_epochs=2)
     want = _hf_train(plain, str(tmp_path / "plain"), data, max_steps=-1, num_train_epochs=2)
     assert len(got) == len(want) == 6
@@ -141,7 +127,7 @@ def test_accelerate_prepare_in_a_plain_loop():
         model = _apply_schedule(_gpt2()) if applied else _gpt2()
         accelerator = accelerate.Accelerator(cpu=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        loader = torch.utils.data.DataLoader(_Tokens(), batch_size=BATCH)
+        loader = torch.utils.data.DataLoader(Tokens(), batch_size=BATCH)
         net, opt, loader = accelerator.prepare(model, opt, loader)
         assert accelerator.unwrap_model(net) is model
         losses = []
@@ -159,38 +145,11 @@ def test_accelerate_prepare_in_a_plain_loop():
 
 
 def test_pytorch_lightning_trainer_on_a_module_whose_model_has_a_schedule():
-    pl = pytest.importorskip("pytorch_lightning")
-
-    class LitLM(pl.LightningModule):
-        def __init__(self, model: nn.Module):
-            super().__init__()
-            self.model = model
-            self.losses: list[torch.Tensor] = []
-
-        def training_step(self, batch, batch_idx):
-            out = self.model(**batch) if hcv_applied(self.model) else self.model(**batch, use_cache=False)
-            self.losses.append(out.loss.detach().clone())
-            return out.loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def hcv_applied(model):
-        from hchain_viz.runtime.train.inplace import is_applied
-
-        return is_applied(model)
-
     runs = []
     for applied in (True, False):
         model = _apply_schedule(_gpt2()) if applied else _gpt2()
-        lit = LitLM(model)
-        pl.seed_everything(0, verbose=False)
-        trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.fit(lit, torch.utils.data.DataLoader(_Tokens(), batch_size=BATCH))
-        runs.append(lit)
+        runs.append(fit_with_lightning(model, (lambda m, batch: m(**batch)) if applied else
+                                       (lambda m, batch: m(**batch, use_cache=False))))
     got, want = runs
     assert len(got.losses) == 3 and all(torch.equal(a, b) for a, b in zip(got.losses, want.losses))
     assert _same_weights(got.model, want.model)
