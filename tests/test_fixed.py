@@ -237,3 +237,20 @@ def test_recomputing_schedules_under_autocast_are_predicted_within_5_percent(nam
         predicted = hcv.device_peak(hcv.simulate(chain, schedule))
         measured = training_loop_peak(hcv.wrap(model, schedule), x, opt, torch.bfloat16)
         assert 1.0 <= predicted / measured <= 1.05, (budget, predicted, measured)
+
+
+def test_profile_records_a_tied_weight_with_the_stages_that_use_it():
+    """GPT-2's LM head reuses the token embedding: one gradient, counted on the head, and a ``tied_grads`` entry
+    naming both stages (what a pipeline device with the embedding alone holds a copy of)."""
+    pytest.importorskip("transformers")
+    model, inputs, _ = hcv.models.hf_model("gpt2", batch=2, seq=8, layers=2, hidden=32, heads=4, vocab=64)
+    x = inputs["input_ids"]
+    chain = hcv.profile(model, x, lambda out: out["logits"].float().pow(2).mean(),
+                        optimizer=torch.optim.AdamW(model.parameters()), repeats=1, warmup=0, progress=False)
+    wte = model.transformer.wte.weight
+    stages = hcv.sequentialize(model)
+    users = tuple(i for i, (_, m) in enumerate(stages) if any(p is wte for p in m.parameters()))
+    assert len(users) == 2 and users[-1] == chain.length - 1
+    assert chain.fixed.tied_grads == ((users, wte.numel() * 4),)
+    assert chain.fixed.params == param_bytes(model) and chain.fixed.grads == param_bytes(model)
+    assert hcv.Chain.from_json(chain.to_json()).fixed == chain.fixed

@@ -70,6 +70,36 @@ def test_stage_chain_keeps_what_its_stages_hold():
         stage_chain(c, 3, 3)
 
 
+def test_a_tied_weight_is_held_by_every_device_that_uses_it():
+    """GPT-2's embedding and LM head share a weight: the whole model counts its gradient once, on the head; a
+    device with the embedding but not the head holds its own copy of the weight, gradient and optimizer state."""
+    c = small_transformer(4)
+    L, tied = c.length, 200_000
+    grads = list(c.fixed.stage_grads)
+    grads[-1] += tied  # the head's backward creates the shared gradient first
+    fixed = dataclasses.replace(c.fixed, params=c.fixed.params + tied, stage_grads=grads,
+                                optimizer_state=c.fixed.optimizer_state + 2 * tied, tied_grads=[((0, L - 1), tied)])
+    c = dataclasses.replace(c, fixed=fixed)
+    assert hcv.Chain.from_json(c.to_json()).fixed == fixed
+    untied = dataclasses.replace(c, fixed=dataclasses.replace(fixed, tied_grads=()))
+    units = split_units(c)
+    for a, b in (units[0], (units[0][0], units[1][1]), units[-1], (0, L)):
+        with_tied, without = stage_chain(c, a, b).fixed, stage_chain(untied, a, b).fixed
+        copy = tied if a == 0 and b < L else 0  # the embedding's device, when the head is on another
+        assert with_tied.grads - without.grads == copy
+        share = copy / fixed.grads
+        assert with_tied.params - without.params == pytest.approx(fixed.params * share, abs=1)
+        assert with_tied.optimizer_state - without.optimizer_state == pytest.approx(fixed.optimizer_state * share,
+                                                                                     abs=1)
+    plan = Pipeline(c, 2).plan(4, 2**60)
+    plan_untied = Pipeline(untied, 2).plan(4, 2**60)
+    assert plan.stages[0].fixed > plan_untied.stages[0].fixed and plan.stages[1].fixed == plan_untied.stages[1].fixed
+    with pytest.raises(hcv.HChainError, match="ascending"):
+        dataclasses.replace(fixed, tied_grads=[((3, 1), 10)])
+    with pytest.raises(hcv.HChainError, match="pairs"):
+        dataclasses.replace(fixed, tied_grads=[(5,)])
+
+
 def test_in_flight_counts_follow_the_schedules():
     assert [in_flight("1F1B", 4, 8, s) for s in range(4)] == [4, 3, 2, 1]
     assert [in_flight("1F1B", 4, 2, s) for s in range(4)] == [2, 2, 2, 1]

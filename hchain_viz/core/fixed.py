@@ -97,6 +97,10 @@ class FixedMemory:
       stage's backward, so a stage's copies are counted from its first forward to its backward ``B(i)``
       (``core.device.device_peak``); never during ``optimizer.step()``; not sharded (each rank casts the weights it
       computes with).
+    - ``tied_grads``: per set of stages that use the same weights (a tied embedding and LM head), those stages
+      (ascending) and the weights' gradient bytes. ``stage_grads`` counts them once, on the last stage; a pipeline
+      device that runs another of these stages holds a copy of the weights, their gradient and optimizer state
+      (``core.pipeline.stage_fixed``).
     """
 
     params: int
@@ -110,6 +114,7 @@ class FixedMemory:
     precision: str = "fp32"
     master_weights: int = 0
     stage_casts: tuple[int, ...] = ()
+    tied_grads: tuple[tuple[tuple[int, ...], int], ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -126,6 +131,7 @@ class FixedMemory:
         if self.stage_casts and len(self.stage_casts) != len(self.stage_grads):
             raise InvalidChain(f"fixed.stage_casts has {len(self.stage_casts)} entries for "
                                f"{len(self.stage_grads)} stages; give one per stage (or none)")
+        set_(self, "tied_grads", _tied_grads(self.tied_grads, len(self.stage_grads)))
         ws = self.world_size
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
             raise InvalidChain(f"world_size must be a positive integer (the number of ranks sharding the model), "
@@ -222,7 +228,8 @@ class FixedMemory:
         return replace(self, precision=to.name, params=w(self.params), stage_grads=tuple(map(w, self.stage_grads)),
                        optimizer_state=s(self.optimizer_state), step_tmp=s(self.step_tmp),
                        master_weights=4 * trainable if to.master else 0,
-                       stage_casts=self.stage_casts if to.autocast else ())
+                       stage_casts=self.stage_casts if to.autocast else (),
+                       tied_grads=tuple((users, w(n)) for users, n in self.tied_grads))
 
     def with_world_size(self, world_size: int) -> FixedMemory:
         """The same model and optimizer sharded over ``world_size`` ranks."""
@@ -250,15 +257,31 @@ class FixedMemory:
         return {"params": self.params, "stage_grads": list(self.stage_grads), "optimizer_state": self.optimizer_state,
                 "buffers": self.buffers, "step_tmp": self.step_tmp, "optimizer": self.optimizer,
                 "world_size": self.world_size, "workspace": self.workspace, "precision": self.precision,
-                "master_weights": self.master_weights, "stage_casts": list(self.stage_casts)}
+                "master_weights": self.master_weights, "stage_casts": list(self.stage_casts)} \
+            | ({"tied_grads": [[list(users), n] for users, n in self.tied_grads]} if self.tied_grads else {})
 
     @classmethod
     def from_dict(cls, d: Any) -> FixedMemory:
         if not isinstance(d, dict) or "params" not in d or "stage_grads" not in d:
             raise InvalidChain("chain JSON field 'fixed' must be an object with at least 'params' and 'stage_grads'")
         keys = ("params", "stage_grads", "optimizer_state", "buffers", "step_tmp", "optimizer", "world_size",
-                "workspace", "precision", "master_weights", "stage_casts")
+                "workspace", "precision", "master_weights", "stage_casts", "tied_grads")
         return cls(**{k: d[k] for k in keys if k in d})
+
+
+def _tied_grads(tied: Any, stages: int) -> tuple[tuple[tuple[int, ...], int], ...]:
+    out = []
+    for entry in tied or ():
+        try:
+            users, nbytes = entry
+            users = tuple(int(u) for u in users)
+        except (TypeError, ValueError):
+            raise InvalidChain(f"fixed.tied_grads must be a list of [stages, bytes] pairs, got {entry!r}") from None
+        if len(set(users)) < 2 or list(users) != sorted(set(users)) or not 0 <= users[0] <= users[-1] < stages:
+            raise InvalidChain(f"each fixed.tied_grads entry names two or more distinct stages in ascending order, "
+                               f"from 0 to {stages - 1}; got {list(users)!r}")
+        out.append((users, _size(nbytes, "tied_grads bytes")))
+    return tuple(out)
 
 
 def _size(v: Any, name: str) -> int:

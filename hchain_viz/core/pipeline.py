@@ -225,20 +225,28 @@ def stage_chain(chain: Chain, first: int, end: int) -> Chain:
 def stage_fixed(fixed: FixedMemory | None, first: int, end: int) -> FixedMemory | None:
     """The part of ``fixed`` that stages ``first .. end-1`` hold: their own gradients, and the parameters, optimizer
     state, buffers and optimizer-step transient in proportion to their gradient bytes (a chain records those for
-    the whole model only); the libraries' workspace whole (each device has its own)."""
+    the whole model only); the libraries' workspace whole (each device has its own). Weights these stages share
+    with a later stage (``fixed.tied_grads``: a tied embedding, whose LM head comes last) are held here too, as a
+    copy with its own gradient and optimizer state, counted on the last of these stages that uses them."""
     if fixed is None:
         return None
-    grads = fixed.stage_grads
-    total = sum(grads)
-    share = sum(grads[first:end]) / total if total else (end - first) / len(grads)
+    grads = list(fixed.stage_grads[first:end])
+    for users, nbytes in fixed.tied_grads:
+        mine = [u for u in users if first <= u < end]
+        if mine and users[-1] >= end:  # the whole model counts them on users[-1], a later device
+            grads[mine[-1] - first] += nbytes
+    total = sum(fixed.stage_grads)
+    share = sum(grads) / total if total else (end - first) / len(fixed.stage_grads)
 
     def part(n: int) -> int:
         return math.ceil(n * share)
 
-    return dataclasses.replace(fixed, params=part(fixed.params), stage_grads=grads[first:end],
+    tied = [(tuple(u - first for u in users if first <= u < end), n) for users, n in fixed.tied_grads]
+    return dataclasses.replace(fixed, params=part(fixed.params), stage_grads=grads,
                                optimizer_state=part(fixed.optimizer_state), buffers=part(fixed.buffers),
                                step_tmp=part(fixed.step_tmp), world_size=1, master_weights=part(fixed.master_weights),
-                               stage_casts=fixed.stage_casts[first:end])
+                               stage_casts=fixed.stage_casts[first:end],
+                               tied_grads=[(users, n) for users, n in tied if len(users) >= 2])
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,15 @@ def fixed_memory(model_params: list[torch.Tensor], stages: list[nn.Module], buff
         seen.update(id(p) for p in mine)
         stage_grads[i] = nbytes(mine)
         trained += mine
+    users: dict[int, tuple[torch.Tensor, list[int]]] = {}
+    for i, m in enumerate(stages):
+        for p in m.parameters():
+            if p.requires_grad and i not in users.setdefault(id(p), (p, []))[1]:
+                users[id(p)][1].append(i)
+    tied: dict[tuple[int, ...], int] = {}
+    for p, used in users.values():
+        if len(used) > 1:
+            tied[tuple(used)] = tied.get(tuple(used), 0) + nbytes([p])
     casts: list[int] = []
     if autocast is not None and sample_input is not None:
         casts = autocast_cache(stages, sample_input, buffers, device, autocast)
@@ -153,7 +162,8 @@ def fixed_memory(model_params: list[torch.Tensor], stages: list[nn.Module], buff
     return FixedMemory(params=nbytes(model_params), stage_grads=stage_grads, optimizer_state=state,
                        buffers=nbytes(buffers), step_tmp=step_tmp, optimizer=type(optimizer).__name__,
                        world_size=world_size, workspace=library_workspace(device),
-                       precision=step_precision(trained, autocast), stage_casts=casts)
+                       precision=step_precision(trained, autocast), stage_casts=casts,
+                       tied_grads=list(tied.items()))
 
 
 def step_precision(params: list[torch.Tensor], autocast: torch.dtype | None) -> str:

@@ -41,7 +41,7 @@ class PipelineRun:
     stage: Any
     runner: Any
     group: Any = None
-    tied: tuple[tuple[nn.Parameter, bool], ...] = ()  # (parameter, whether this rank uses it), see _tied_parameters
+    tied: tuple[tuple[nn.Parameter, Any], ...] = ()  # (parameter, its ranks' process group), see _tied_parameters
 
     @property
     def is_first(self) -> bool:
@@ -64,11 +64,10 @@ class PipelineRun:
         args = (inputs,) if self.is_first else ()
         kwargs = {"target": target, "losses": losses} if self.is_last else {}
         self.runner.step(*args, return_outputs=False, **kwargs)  # the last stage would keep every output
-        for param, used in self.tied:  # every rank joins each sum, in the same order
-            grad = param.grad if used and param.grad is not None else torch.zeros_like(param)
-            dist.all_reduce(grad, group=self.group)
-            if used:
-                param.grad = grad
+        for param, ranks in self.tied:  # the ranks that use it sum their parts, in the same order on each
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            dist.all_reduce(grad, group=ranks)
+            param.grad = grad
         return losses if self.is_last else None
 
 
@@ -122,18 +121,32 @@ def pipeline(model: nn.Module, plan: PipelinePlan, loss_fn: Any, *, group: Any =
     if plan.kind == "interleaved":
         runner = ScheduleInterleaved1F1B(torch_stages, n_microbatches=plan.microbatches, loss_fn=loss_fn)
         return PipelineRun(plan, rank, nn.ModuleList(modules), torch_stages, runner, group,
-                           _tied_parameters(stages, plan, rank))
+                           _tied_parameters(stages, plan, rank, group))
     runner_cls = Schedule1F1B if plan.kind == "1F1B" else ScheduleGPipe
     runner = runner_cls(torch_stages[0], n_microbatches=plan.microbatches, loss_fn=loss_fn)
-    return PipelineRun(plan, rank, modules[0], torch_stages[0], runner, group, _tied_parameters(stages, plan, rank))
+    return PipelineRun(plan, rank, modules[0], torch_stages[0], runner, group,
+                       _tied_parameters(stages, plan, rank, group))
 
 
-def _tied_parameters(stages: list[tuple[str, nn.Module]], plan: PipelinePlan,
-                     rank: int) -> tuple[tuple[nn.Parameter, bool], ...]:
-    """The parameters that stages on more than one rank use (a tied embedding and LM head), in the stages' order,
-    each with whether ``rank`` uses it: each rank's backward gives only its own part of their gradient, which
-    single-process training sums; every rank builds the whole model, so all find the same list."""
-    return tuple((param, rank in used) for param, used in _parameter_ranks(stages, plan) if len(used) > 1)
+def _tied_parameters(stages: list[tuple[str, nn.Module]], plan: PipelinePlan, rank: int,
+                     group: Any) -> tuple[tuple[nn.Parameter, Any], ...]:
+    """The parameters this rank shares with stages on other ranks (a tied embedding and LM head), in the stages'
+    order, each with a process group of the ranks that use it: each rank's backward gives only its own part of the
+    gradient, which single-process training sums. Every rank builds the whole model and so finds the same list, and
+    creates every group (``dist.new_group`` is collective), one per set of ranks; ranks that do not use a weight
+    take no part in its sum, and hold no gradient for it."""
+    groups: dict[tuple[int, ...], Any] = {}
+    mine = []
+    for param, used in _parameter_ranks(stages, plan):
+        if len(used) < 2:
+            continue
+        key = tuple(sorted(used))
+        if key not in groups:
+            ranks = [r if group is None else dist.get_global_rank(group, r) for r in key]
+            groups[key] = dist.new_group(ranks)
+        if rank in used:
+            mine.append((param, groups[key]))
+    return tuple(mine)
 
 
 def _parameter_ranks(stages: list[tuple[str, nn.Module]],
@@ -155,19 +168,14 @@ def _parameter_stages(stages: list[tuple[str, nn.Module]],
     return list(used.values())
 
 
-def metered_peak(plan: PipelinePlan, rank: int, stages: list[tuple[str, nn.Module]]) -> int:
+def metered_peak(plan: PipelinePlan, rank: int) -> int:
     """Rank ``rank``'s predicted peak as a ``MemoryMeter`` around ``run.step`` sees it (a step after the first, in
     which torch also infers shapes): the plan's peak less the parameters and optimizer state, allocated before the
-    step, plus the gradient of each weight this rank shares with a later one. The chain counts a tied weight's
-    gradient once, on the last stage that uses it (GPT-2's LM head); another rank that uses it (its embedding)
-    holds one too. Interleaved: the rank's peak over its chunks, less their static memory (the workspace once).
-    ``stages``: the chain's ``(name, module)`` list, as ``pipeline`` was given it."""
-    untracked = sum(p.numel() * p.element_size() for p, used in _parameter_stages(stages, plan)
-                    if rank in {plan.rank_of(j) for j in used} and plan.rank_of(used[-1]) != rank)
+    step. Interleaved: the rank's peak over its chunks, less their static memory (the workspace once)."""
     sts = plan.rank_stages(rank)
     ws = plan.chain.fixed.workspace
     static = sum(st.chain.fixed.static_per_rank for st in sts) - (len(sts) - 1) * ws
-    return plan.peaks[rank] - static + untracked
+    return plan.peaks[rank] - static
 
 
 class _TensorOutput(nn.Module):
