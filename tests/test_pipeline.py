@@ -9,6 +9,7 @@ import json
 import math
 
 import numpy as np
+import oracles
 import pytest
 
 import hchain_viz as hcv
@@ -16,6 +17,7 @@ from hchain_viz.core.fixed import FixedMemory
 from hchain_viz.core.pipeline import (
     Pipeline,
     PipelinePlan,
+    StageRun,
     baseline_plans,
     fit_pipeline,
     in_flight,
@@ -168,11 +170,10 @@ def exhaustive(pipe: Pipeline, M: int, limit: int) -> float:
         for s in range(P):
             k = in_flight(pipe.kind, P, M, s)
             fixed, step = p.fixed(cuts[s], cuts[s + 1])
-            fits = [r for r in p.runs(cuts[s], cuts[s + 1]) if fixed + max(step, (k - 1) * r.stored + r.working)
-                    <= limit]
+            fits = [c for c in p.candidates(cuts[s], cuts[s + 1], k) if fixed + max(step, c.need(k)) <= limit]
             if not fits:
                 break
-            stages.append(p.stage(cuts[s], cuts[s + 1], min(fits, key=lambda r: r.time), k))
+            stages.append(p.stage(cuts[s], cuts[s + 1], min(fits, key=lambda c: c.time).run(), k))
         else:
             plan = PipelinePlan(pipe.chain, pipe.kind, M, tuple(stages), pipe.bandwidth)
             best = min(best, plan.step_time)
@@ -183,18 +184,20 @@ def exhaustive(pipe: Pipeline, M: int, limit: int) -> float:
                          ids=["random", "transformer"])
 def test_lazy_candidates_answer_as_every_candidate_simulated(chain):
     """A range's candidates are simulated only when a limit reaches them, and ranges of the same blocks share them:
-    each range's fastest fitting run and least need are what simulating every candidate gives."""
+    each range's fastest fitting run and least need are what every candidate's need gives (the frontier's
+    simulated; the in-flight ones' from their DP, never below the simulated one)."""
     pipe = Pipeline(chain, 3)
     p, U = pipe._p, len(pipe._p.units)
     lo = pipe.least_memory(4)
     for u0, u1 in itertools.combinations(range(U + 1), 2):
-        runs = p.runs(u0, u1)
         fixed, step = p.fixed(u0, u1)
         for k in (1, 2, 4):
-            assert p.least(u0, u1, k) == fixed + max(step, min(r.need(k) for r in runs))
+            cands = p.candidates(u0, u1, k)
+            assert all(c.run().need(k) <= c.need(k) for c in cands)  # a DP need is never below the simulated one
+            assert p.least(u0, u1, k) == fixed + max(step, min(c.need(k) for c in cands))
             for f in (1.0, 1.1, 1.4, 3.0):
                 limit = int(lo * f)
-                fits = [r for r in runs if fixed + max(step, r.need(k)) <= limit]
+                fits = [c.run() for c in cands if fixed + max(step, c.need(k)) <= limit]
                 got = p.best(u0, u1, k, limit)
                 assert (got is None) == (not fits)
                 if fits:
@@ -202,6 +205,29 @@ def test_lazy_candidates_answer_as_every_candidate_simulated(chain):
                     assert fixed + max(step, got.need(k)) <= limit
     if chain.groups:  # the middle blocks are equal: their ranges share one set of candidates
         assert p.candidates(1, 2) is p.candidates(2, 3)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_each_stage_schedule_is_the_optimum_for_its_microbatches_in_flight(seed):
+    """Against every schedule of a 4-stage chain (tests/oracles.py, simulated): with k microbatches in flight the
+    planner's schedule is the fastest whose (k - 1)·stored + working fits, and its least need is the least of all.
+    The chain's sizes are small enough that the tables count single bytes (no rounding). Frontier schedules alone
+    miss this optimum (a slower schedule that stores less wins once other microbatches hold its stored bytes)."""
+    c = hcv.Chain.random(4, seed=seed, scale=8)
+    runs = [StageRun.of(c, hcv.Schedule(ops)) for ops in oracles.all_remat_schedules(c)]
+    p = Pipeline(c, 1, slots=10**9)._p
+    U, behind = len(p.units), 0
+    for k in (1, 2, 3, 5):
+        least = min(r.need(k) for r in runs)
+        assert p.least(0, U, k) == least
+        for f in (1.0, 1.05, 1.1, 1.3, 1.6, 2.0, 3.0):
+            room = int(least * f)
+            best = min(r.time for r in runs if r.need(k) <= room)
+            got = p.best(0, U, k, room)
+            assert got.need(k) <= room and got.time == pytest.approx(best, rel=1e-12), (k, f)
+            frontier = [cand.run() for cand in p.candidates(0, U)]
+            behind += min(r.time for r in frontier if r.need(k) <= room) > best * (1 + 1e-9)
+    assert behind > 0 or seed != 0
 
 
 @pytest.mark.parametrize("seed", range(5))

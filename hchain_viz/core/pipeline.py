@@ -39,6 +39,7 @@ import numpy as np
 from ..errors import HChainError, InvalidPipeline, PipelineDoesNotFit
 from .chain import Chain, bandwidth_of
 from .fixed import FixedMemory
+from .in_flight import InFlight
 from .schedule import Schedule
 from .simulate import Trace, simulate
 from .solver import _check_chain, solve
@@ -662,17 +663,25 @@ _SEARCH_LEAVES = 20_000
 class _Candidate:
     """One candidate schedule of a layer range, simulated only when first asked for (:meth:`run`). ``time`` is its
     simulated makespan; ``peak`` its peak activation bytes (for the frontier's breakpoints the budget where the
-    answer changes, which is that schedule's exact peak: the least need of any in-flight count)."""
+    answer changes, which is that schedule's exact peak: the least need of any in-flight count). An in-flight
+    candidate (``in_flight=True``, one k) is judged by ``peak`` = its need from the DP, at least the simulated one
+    (slots are rounded up), so that its simulation waits until it is chosen."""
 
-    __slots__ = ("chain", "schedule", "time", "peak", "_run")
+    __slots__ = ("chain", "schedule", "time", "peak", "_run", "in_flight")
 
-    def __init__(self, chain: Chain, schedule: Schedule, time: float, peak: int, run: StageRun | None = None) -> None:
+    def __init__(self, chain: Chain, schedule: Schedule, time: float, peak: int, run: StageRun | None = None,
+                 in_flight: bool = False) -> None:
         self.chain, self.schedule, self.time, self.peak, self._run = chain, schedule, time, peak, run
+        self.in_flight = in_flight
 
     def run(self) -> StageRun:
         if self._run is None:
             self._run = StageRun.of(self.chain, self.schedule)
         return self._run
+
+    def need(self, k: int) -> int:
+        """Activation bytes with ``k`` microbatches in flight, as the planner counts them."""
+        return self.peak if self.in_flight else self.run().need(k)
 
     def simulated(self) -> _Candidate:
         """This candidate with its time and peak from its simulation (a schedule without a predicted makespan)."""
@@ -685,14 +694,17 @@ class _Planner:
     """Per-layer-range candidates of one chain, solved once and reused across memory limits and microbatch counts.
 
     For each range of layers, the candidate schedules of its sub-chain are the breakpoints of its optimal frontier
-    (``hcv.solve``) and the uniform policies (store-all, full per-layer recomputation), sorted fastest first. Ranges
-    whose sub-chains hold the same numbers (the same blocks at another depth) share them, and a candidate is
+    (``hcv.solve``), the uniform policies (store-all, full per-layer recomputation) and, for k >= 2 microbatches in
+    flight, the breakpoints of :class:`~hchain_viz.core.in_flight.InFlight`'s frontier for k, sorted fastest first.
+    Ranges whose sub-chains hold the same numbers (the same blocks at another depth) share them, and a candidate is
     simulated as a :class:`StageRun` only when a memory limit reaches it (its peak bounds every need from below)."""
 
     def __init__(self, chain: Chain, slots: int) -> None:
         self.chain, self.slots, self._solve = chain, slots, solve
         self.units = split_units(chain)
         self._cands: dict[tuple, list[_Candidate]] = {}
+        self._in_flight: dict[tuple, InFlight] = {}
+        self._cands_k: dict[tuple, list[_Candidate]] = {}  # (key, k): the candidates for k in flight
         self._chains: dict[tuple[int, int], Chain] = {}
         self._uniform: dict[tuple, tuple[StageRun, StageRun]] = {}
 
@@ -720,8 +732,9 @@ class _Planner:
                                   StageRun.of(c, per_layer(c) if c.groups else recompute_all(c)))
         return self._uniform[key]
 
-    def candidates(self, u0: int, u1: int) -> list[_Candidate]:
-        """The candidates of layers u0..u1-1, fastest first (ties: the smaller peak)."""
+    def candidates(self, u0: int, u1: int, k: int = 1) -> list[_Candidate]:
+        """The candidates of layers u0..u1-1 for ``k`` microbatches in flight, fastest first (ties: the smaller
+        peak)."""
         key = self._key(u0, u1)
         if key not in self._cands:
             c = self.sub(u0, u1)
@@ -733,11 +746,20 @@ class _Planner:
                 cands.append(_Candidate(c, sched, t, b) if t is not None else _Candidate(c, sched, 0.0, b).simulated())
             cands += [_Candidate(c, r.schedule, r.time, r.working, r) for r in self.uniform(u0, u1)]
             self._cands[key] = sorted(cands, key=lambda r: (r.time, r.peak))
-        return self._cands[key]
+        if k == 1:
+            return self._cands[key]
+        if (key, k) not in self._cands_k:
+            if key not in self._in_flight:
+                self._in_flight[key] = InFlight(self.sub(u0, u1), self.slots)
+            known = {cand.schedule.ops for cand in self._cands[key]}
+            more = [_Candidate(self.sub(u0, u1), s, t, need, in_flight=True)
+                    for need, t, s in self._in_flight[key].frontier(k) if s.ops not in known]
+            self._cands_k[(key, k)] = sorted(self._cands[key] + more, key=lambda r: (r.time, r.peak))
+        return self._cands_k[(key, k)]
 
-    def runs(self, u0: int, u1: int) -> list[StageRun]:
-        """Every candidate of layers u0..u1-1 simulated, fastest first."""
-        return [c.run() for c in self.candidates(u0, u1)]
+    def runs(self, u0: int, u1: int, k: int = 1) -> list[StageRun]:
+        """Every candidate of layers u0..u1-1 for ``k`` microbatches in flight simulated, fastest first."""
+        return [c.run() for c in self.candidates(u0, u1, k)]
 
     def fixed(self, u0: int, u1: int) -> tuple[int, int]:
         f = self.sub(u0, u1).fixed
@@ -749,8 +771,8 @@ class _Planner:
         if fixed + step > limit:
             return None
         room = limit - fixed
-        for c in self.candidates(u0, u1):
-            if c.peak <= room and c.run().need(k) <= room:  # need(k) >= the peak: no simulation above the room
+        for c in self.candidates(u0, u1, k):
+            if c.peak <= room and c.need(k) <= room:  # need(k) >= the peak: no simulation above the room
                 return c.run()
         return None
 
@@ -758,10 +780,10 @@ class _Planner:
         """The least device memory any candidate of layers u0..u1-1 needs with ``k`` microbatches in flight."""
         fixed, step = self.fixed(u0, u1)
         least = math.inf
-        for c in sorted(self.candidates(u0, u1), key=lambda c: c.peak):
+        for c in sorted(self.candidates(u0, u1, k), key=lambda c: c.peak):
             if c.peak >= least:
                 break  # every need from here on is at least its peak
-            least = min(least, c.run().need(k))
+            least = min(least, c.need(k))
         return fixed + max(step, least)
 
     def stage(self, u0: int, u1: int, run: StageRun, k: int) -> PipelineStage:

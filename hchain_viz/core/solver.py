@@ -349,16 +349,18 @@ def _fill_chains(x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT):  # pragm
             _finish(C, Cch, u, F, G, LOC, SAT, x, xs, xbar, tr, fwd, bwd, L, S1, i, i, i, l, keep)
 
 
-def _spine(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, D, Dch):  # pragma: no cover - runs compiled
+def _spine(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, D, Dch, floor):  # pragma: no cover
     """Fill D (rows i = 0..L) and its choices from the final C: the spine with the loss. D[., L] is the loss
-    (creates δ_L), then i = L-1 .. 0."""
+    (creates δ_L), then i = L-1 .. 0. ``floor``: the least budget the spine may leave at the loss (0: any that holds
+    δ_L); a pipeline stage bounds what a microbatch stores this way (core/in_flight.py)."""
     L = xbar.shape[0]
     S1 = C.shape[1]
     inf = np.inf
     keep = 1.0 + _TIE_RTOL
+    at_loss = max(x[L], floor)
     for m in range(S1):  # δ_L
-        D[L, m] = 0.0 if m >= x[L] else inf
-        Dch[L, m] = _CHAIN if m >= x[L] else _NONE
+        D[L, m] = 0.0 if m >= at_loss else inf
+        Dch[L, m] = _CHAIN if m >= at_loss else _NONE
     for i in range(L - 1, -1, -1):
         out = D[i]
         cho = Dch[i]
@@ -675,7 +677,7 @@ def _fill_table(x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, Cch, D
         k["blocks"](x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT)
     else:
         _wavefront(k, (x, xs, xbar, tr, fwd, bwd, call, C, Cch, G, LOC, SAT), L, C.shape[1], min(threads, blocks))
-    k["spine"](x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, D, Dch)
+    k["spine"](x, xs, xbar, tr, co, ftmp, ntmp, btmp, fwd, bwd, call, C, D, Dch, 0)
 
 
 def _wavefront(k: dict[str, Any], args: tuple, L: int, S1: int, threads: int) -> None:
@@ -1251,11 +1253,14 @@ def _least_table(chain: Chain) -> _Table:
 def _rebuild_ops(table: _Table, m: int) -> tuple[Op, ...]:
     """The ops of ``table``'s schedule within ``m`` slots (x_0 included; ``times[m]`` must be finite)."""
     L = table.Dch.shape[0] - 1
-    out = np.empty((L * (L + 1) // 2 + L + 2, 2), np.int32)  # at most L(L+1)/2 forwards
+    size = L * (L + 1) // 2 + 2 * L + 2  # room for L(L+1)/2 forwards and a spine that recomputes the whole chain
     sz = table.sizes
-    n = _kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], table.Cch, table.Dch, m - int(sz["x0"][0]), out)
-    if n < 0:  # cannot happen: a DP schedule has at most L(L+1)/2 forwards
-        raise RuntimeError("internal error: schedule longer than its bound")
+    while True:  # a longer schedule (core/in_flight.py's spines can recompute more) retries with twice the room
+        out = np.empty((size, 2), np.int32)
+        n = _kernels()["rebuild"](sz["xs"], sz["xbar"], sz["tr"], table.Cch, table.Dch, m - int(sz["x0"][0]), out)
+        if n >= 0:
+            break
+        size *= 2
     kinds = [_KINDS[k] for k in out[:n, 0].tolist()]
     return tuple(map(Op, kinds, out[:n, 1].tolist()))
 
