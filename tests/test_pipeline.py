@@ -533,3 +533,92 @@ def test_interleaved_figures_show_each_device_with_its_chunks():
     tl = V.timeline(plan)
     assert len(tl.data[0].x) == len(tl.data[1].x) == 2 * 2 * 4
     assert {t.split(" (")[1] for t in tl.data[0].text} == {"chunk 0)", "chunk 1)"}
+
+
+def least_interleaved_enumerated(pipe: Pipeline, M: int, bounds: tuple[int, ...] | None = None) -> int:
+    """The least device memory by enumeration (the solver's own method before it searched): every partition into
+    v·P chunks (or the one starting at ``bounds``), each device with every choice of one candidate per chunk."""
+    from hchain_viz.core.pipeline import rank_activation_peak, sent_bytes
+
+    p, P, v = pipe._p, pipe.devices, pipe.chunks
+    U, S = len(p.units), P * v
+    firsts = [u0 for u0, _ in p.units]
+    partitions = [tuple(firsts.index(b) for b in bounds)[1:]] if bounds else itertools.combinations(range(1, U), S - 1)
+    best = math.inf
+    for inner in partitions:
+        cuts = (0, *inner, U)
+        worst = 0
+        for r in range(P):
+            ranges = [(cuts[c * P + r], cuts[c * P + r + 1]) for c in range(v)]
+            fixed, step = pipe._rank_fixed(ranges)
+            sent = [sent_bytes(pipe.chain, *p.span(*g), c * P + r, S) for c, g in enumerate(ranges)]
+            worst = max(worst, min(fixed + max(step, rank_activation_peak(P, v, M, r, combo, sent))
+                                   for combo in itertools.product(*(p.runs(*g) for g in ranges))))
+        best = min(best, worst)
+    return best
+
+
+def rank_pick_enumerated(pipe: Pipeline, ranges: tuple, r: int, M: int, limit: int) -> tuple | None:
+    """Of every choice of one candidate per chunk whose device peak fits, the least (total time, peak, order)."""
+    from hchain_viz.core.pipeline import rank_activation_peak, sent_bytes
+
+    p, P, v = pipe._p, pipe.devices, pipe.chunks
+    fixed, step = pipe._rank_fixed(ranges)
+    sent = [sent_bytes(pipe.chain, *p.span(*g), c * P + r, P * v) for c, g in enumerate(ranges)]
+    fits = []
+    for n, combo in enumerate(itertools.product(*(p.runs(*g) for g in ranges))):
+        peak = fixed + max(step, rank_activation_peak(P, v, M, r, combo, sent))
+        if peak <= limit:
+            fits.append((sum(x.time for x in combo), peak, n, combo))
+    return min(fits, key=lambda f: f[:3])[3] if fits else None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_interleaved_least_memory_and_picks_match_enumeration(seed):
+    """The searched least memory (pruned by lower bounds) and each device's pick (dominated candidates skipped,
+    the last two chunks paired at once) are what enumerating every partition and every choice gives."""
+    c = with_fixed(hcv.Chain.random(7, seed=seed, scale=2**16))
+    for P, v, M in ((2, 2, 4), (2, 3, 2), (3, 2, 3)):
+        pipe = Pipeline(c, P, "interleaved", chunks=v, bandwidth=2e9)
+        least = pipe.least_memory(M)
+        assert least == least_interleaved_enumerated(pipe, M), (P, v, M)
+        plan = pipe.plan(M, int(least * 1.2))
+        assert pipe.least_memory(M, plan.bounds) == least_interleaved_enumerated(pipe, M, plan.bounds)
+        U = len(pipe._p.units)
+        for inner in itertools.islice(itertools.combinations(range(1, U), P * v - 1), 0, None, 2):
+            cuts = (0, *inner, U)
+            for r in range(P):
+                ranges = tuple((cuts[k * P + r], cuts[k * P + r + 1]) for k in range(v))
+                for f in (0.9, 1.0, 1.1, 1.5, 4.0):
+                    limit = int(least * f)
+                    want = rank_pick_enumerated(pipe, ranges, r, M, limit)
+                    got = pipe.rank_pick(ranges, r, M, limit)
+                    assert (got is None) == (want is None), (P, v, M, cuts, r, f)
+                    assert got is None or all(a is b for a, b in zip(got, want, strict=True)), (P, v, M, cuts, r, f)
+
+
+def test_interleaved_least_memory_matches_enumeration_on_a_transformer():
+    c = small_transformer(8)
+    for P, v, M in ((2, 2, 4), (3, 2, 3)):
+        pipe = Pipeline(c, P, "interleaved", chunks=v)
+        assert pipe.least_memory(M) == least_interleaved_enumerated(pipe, M), (P, v, M)
+
+
+@pytest.mark.parametrize("layers, P, v, M", [(16, 4, 2, 8), (12, 2, 3, 4)])
+def test_interleaved_planning_scales_to_many_layers(layers, P, v, M):
+    """16 layers into 8 chunks (6435 partitions, each device choosing among ~10^4 pairs of candidates), 12 into 6
+    (462, ~10^5 triples): the searches answer in seconds, and their answers hold together: the least memory fits
+    and one byte less does not, and the plan is exact, fits and is never slower than the baselines."""
+    c = small_transformer(layers)
+    pipe = Pipeline(c, P, "interleaved", chunks=v)
+    least = pipe.least_memory(M)
+    assert pipe.plan(M, least).peak <= least
+    with pytest.raises(PipelineDoesNotFit, match=f"is {least} B"):
+        pipe.plan(M, least - 1)
+    limit = int(least * 1.3)
+    plan = pipe.plan(M, limit)
+    assert plan.exact and plan.peak <= limit and len(plan.stages) == P * v
+    assert pipe.least_memory(M, plan.bounds) <= max(plan.peaks)
+    for base in pipe.baselines(M, limit).values():
+        if base is not None:
+            assert plan.step_time <= base.step_time * (1 + 1e-12)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -1034,40 +1033,155 @@ class Pipeline:
 
     # ---------------------------------------------------------------- interleaved 1F1B
     def _rank_fixed(self, ranges: Sequence[tuple[int, int]]) -> tuple[int, int]:
-        fs = [self._p.fixed(u0, u1) for u0, u1 in ranges]
+        fs = [self._fixed(*g) for g in ranges]
         ws = self.chain.fixed.workspace if self.chain.fixed is not None else 0
         return sum(f for f, _ in fs) - (len(fs) - 1) * ws, sum(t for _, t in fs)
 
-    def _combos(self, ranges: tuple[tuple[int, int], ...], rank: int, M: int) -> list[tuple[float, int, tuple]]:
-        """Every choice of one candidate per chunk of device ``rank`` (chunks on ``ranges``) as (total time, device
-        peak, runs), in the candidates' order (cached)."""
-        key = ("combos", ranges, rank, M)
+    def _fixed(self, u0: int, u1: int) -> tuple[int, int]:
+        """The planner's fixed memory and step transient of layers u0..u1-1, kept (the searches ask often)."""
+        key = ("fixed", u0, u1)
         if key not in self._picks:
-            fixed, step = self._rank_fixed(ranges)
-            P, S = self.devices, self.devices * self.chunks
-            sent = [sent_bytes(self.chain, *self._p.span(u0, u1), c * P + rank, S) for c, (u0, u1) in
-                    enumerate(ranges)]
-            out = []
-            for runs in itertools.product(*(self._p.runs(u0, u1) for u0, u1 in ranges)):
-                acts = rank_activation_peak(self.devices, self.chunks, M, rank, runs, sent)
-                out.append((sum(r.time for r in runs), fixed + max(step, acts), runs))
-            self._picks[key] = out
+            self._picks[key] = self._p.fixed(u0, u1)
         return self._picks[key]
+
+    def _rows(self, rank: int, M: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Device ``rank``'s activation peak (:func:`rank_activation_peak`) as the largest of linear forms, one per
+        state of its order before an op: ``(held, done, rise)``, held and done ``(R, v)`` microbatch counts per
+        chunk, rise ``c`` for a forward of chunk c, ``v + c`` for a backward, -1 for the step's end (M done each).
+        A state holding and having done no more than another of the same rise is left out: its value is never the
+        larger, every byte count being >= 0 (cached)."""
+        key = ("rows", rank, M)
+        if key not in self._picks:
+            v = self.chunks
+            model = _interleaved_model(self.devices, v, M, rank)
+            states = {(c if op == "F" else v + c, held, done)
+                      for (op, c, _), held, done in zip(model.ops, model.held, model.done)}
+            states.add((-1, (0,) * v, (M,) * v))
+            kept = sorted(s for s in states if not any(
+                o != s and o[0] == s[0] and all(a >= b for a, b in zip(o[1] + o[2], s[1] + s[2])) for o in states))
+            self._picks[key] = (np.array([s[1] for s in kept], np.int64), np.array([s[2] for s in kept], np.int64),
+                                np.array([s[0] for s in kept]))
+        return self._picks[key]
+
+    def _terms(self, g: tuple[int, int], c: int, rank: int, M: int) -> tuple[list[StageRun], np.ndarray, np.ndarray]:
+        """Layers ``g`` as chunk c of device ``rank``: its candidates (fastest first), their times, and each one's
+        part of every row of :meth:`_rows` ``(R, n)``: its held microbatches' stored bytes, its sent bytes per
+        backward done, and the running op's rise when the row's op is its own (cached)."""
+        key = ("terms", g, c, rank, M)
+        if key not in self._picks:
+            P, v = self.devices, self.chunks
+            held, done, rise = self._rows(rank, M)
+            runs = self._p.runs(*g)
+            q = np.array([(r.stored, r.fwd_peak, r.bwd_peak - r.stored) for r in runs], np.int64).reshape(-1, 3)
+            sent = sent_bytes(self.chain, *self._p.span(*g), c * P + rank, P * v)
+            terms = (held[:, c:c + 1] * q[:, 0] + (rise == c)[:, None] * q[:, 1] + (rise == v + c)[:, None] * q[:, 2]
+                     + done[:, c:c + 1] * sent)
+            self._picks[key] = (runs, np.array([r.time for r in runs], float), terms)
+        return self._picks[key]
+
+    def _front(self, g: tuple[int, int], faster: bool) -> np.ndarray:
+        """Indices of layers ``g``'s candidates that no other beats: one beats another when its stored bytes,
+        forward peak and backward rise are none larger (every row grows with them) and, with ``faster``, it comes
+        first and is no slower (so it also wins the ties of :meth:`rank_pick`); equal ones keep the first (cached)."""
+        key = ("front", g, faster)
+        if key not in self._picks:
+            runs = self._p.runs(*g)
+            q = np.array([(r.stored, r.fwd_peak, r.bwd_peak - r.stored) for r in runs], np.int64).reshape(-1, 3)
+            t = np.array([r.time for r in runs], float)
+            n = np.arange(len(runs))
+            le = (q[:, None, :] <= q[None, :, :]).all(axis=2)  # [a, b]: a none larger than b
+            first = n[:, None] < n[None, :]
+            beats = le & first & (t[:, None] <= t[None, :]) if faster else \
+                le & (first | ~(q[:, None, :] == q[None, :, :]).all(axis=2))
+            self._picks[key] = np.flatnonzero(~beats.any(axis=0))
+        return self._picks[key]
+
+    def _rank_part(self, parts: tuple[tuple[int, int] | None, ...], rank: int, M: int, cap: float = math.inf) -> int:
+        """The least memory device ``rank`` needs with its chunks on ``parts`` (None: not placed yet), a lower bound
+        while some are not: their bytes are left out, with the rows of their backwards, whose rise may be below 0.
+        When the fixed memory and step transient alone reach ``cap``, their sum (a lower bound, not cached)."""
+        key = ("least", parts, rank, M)
+        if key in self._picks:
+            return self._picks[key]
+        placed = [c for c, g in enumerate(parts) if g is not None]
+        fixed, step = self._rank_fixed([parts[c] for c in placed])
+        if fixed + step >= cap:
+            return fixed + step
+        held, done, rise = self._rows(rank, M)
+        rows = ~np.isin(rise, [self.chunks + c for c, g in enumerate(parts) if g is None])
+        total = np.zeros((int(rows.sum()),) + (1,) * len(placed), np.int64)
+        for n, c in enumerate(placed):
+            terms = self._terms(parts[c], c, rank, M)[2][rows][:, self._front(parts[c], False)]
+            total = total + terms.reshape(terms.shape[:1] + (1,) * n + terms.shape[1:] + (1,) * (len(placed) - n - 1))
+        self._picks[key] = fixed + max(step, int(total.max(axis=0).min()))
+        return self._picks[key]
+
+    def _rank_least(self, ranges: tuple[tuple[int, int], ...], rank: int, M: int) -> int:
+        return self._rank_part(tuple(ranges), rank, M)
 
     def rank_pick(self, ranges: Sequence[tuple[int, int]], rank: int, M: int,
                   limit: int) -> tuple[StageRun, ...] | None:
         """Device ``rank``'s schedules for its chunks on layer ranges ``ranges`` under interleaved 1F1B: of every
         choice of one candidate per chunk whose device peak fits ``limit``, the least total time (ties: the smaller
-        peak, then the candidates' order). None when none fits."""
+        peak, then the candidates' order). None when none fits.
+
+        A depth-first search over the chunks (v >= 2), the last two's candidates paired at once, fastest first;
+        it skips the candidates another beats (:meth:`_front`) or that cannot fit beside the least of the others,
+        and the branches that cannot fit or be faster than the best so far."""
         ranges = tuple(ranges)
         key = ("pick", ranges, rank, M, limit)
         if key not in self._picks:
-            fits = [(t, peak, n) for n, (t, peak, _) in enumerate(self._combos(ranges, rank, M)) if peak <= limit]
-            self._picks[key] = self._combos(ranges, rank, M)[min(fits)[2]][2] if fits else None
+            self._picks[key] = self._pick(ranges, rank, M, limit)
         return self._picks[key]
 
-    def _rank_least(self, ranges: tuple[tuple[int, int], ...], rank: int, M: int) -> int:
-        return min(peak for _, peak, _ in self._combos(ranges, rank, M))
+    def _pick(self, ranges: tuple[tuple[int, int], ...], rank: int, M: int, limit: int) -> tuple[StageRun, ...] | None:
+        fixed, step = self._rank_fixed(ranges)
+        room, v = limit - fixed, len(ranges)
+        if step > room:
+            return None
+        full = [self._terms(g, c, rank, M) for c, g in enumerate(ranges)]
+        low = [terms.min(axis=1) for _, _, terms in full]  # per row, the least any candidate of the chunk adds
+        lists = []
+        for c, (_, times, terms) in enumerate(full):
+            idx = self._front(ranges[c], True)
+            idx = idx[(terms[:, idx] + (sum(low) - low[c])[:, None]).max(axis=0) <= room]
+            if not len(idx):
+                return None
+            idx = idx[np.argsort(times[idx], kind="stable")]  # fastest first
+            lists.append((idx, times[idx], terms[:, idx]))
+        low_after = [np.zeros_like(low[0])] * (v + 1)  # per row, the least the chunks after c add
+        for c in range(v - 1, -1, -1):
+            low_after[c] = low_after[c + 1] + lists[c][2].min(axis=1)
+        best: tuple | None = None  # (total time, peak, the candidates' indices)
+
+        def dfs(c: int, acc: np.ndarray, t: float, chosen: tuple[int, ...]) -> None:
+            nonlocal best
+            idx, times, terms = lists[c]
+            total = t + times  # the same sums, in the same order, as sum(r.time for r in runs)
+            bound = total
+            for d in range(c + 1, v):
+                bound = bound + lists[d][1][0]
+            held = acc[:, None] + terms
+            ok = np.flatnonzero((held + low_after[c + 1][:, None] <= room).all(axis=0))
+            if best is not None:
+                ok = ok[bound[ok] <= best[0]]
+            if c == v - 2:  # the last two chunks at once: every pair of their candidates
+                idx2, times2, terms2 = lists[v - 1]
+                acts = (held[:, ok, None] + terms2[:, None, :]).max(axis=0)
+                a, b = np.nonzero(acts <= room)
+                if len(a):
+                    tt, peaks = total[ok][a] + times2[b], fixed + np.maximum(step, acts[a, b])
+                    j = np.lexsort((idx2[b], idx[ok][a], peaks, tt))[0]
+                    got = (float(tt[j]), int(peaks[j]), chosen + (int(idx[ok][a[j]]), int(idx2[b[j]])))
+                    best = got if best is None or got < best else best
+                return
+            for n in ok:
+                if best is not None and bound[n] > best[0]:
+                    break  # the bounds grow with the times
+                dfs(c + 1, held[:, n], total[n], chosen + (int(idx[n]),))
+
+        dfs(0, np.zeros_like(low[0]), 0.0, ())
+        return None if best is None else tuple(full[c][0][i] for c, i in enumerate(best[2]))
 
     def _interleaved_plan(self, cuts: Sequence[int], M: int, limit: int | None, label: str,
                           picks: Sequence[Sequence[StageRun] | None] | None = None) -> PipelinePlan | None:
@@ -1090,8 +1204,9 @@ class Pipeline:
     def _plan_interleaved(self, M: int, limit: int) -> PipelinePlan:
         """The fastest interleaved plan: a depth-first search over the v·P - 1 cuts, each device's chunks given
         :meth:`rank_pick`'s schedules, scored by the simulated step; pruned by lower bounds (a device runs M forwards
-        and backwards of each of its chunks, each at least its fastest candidate's time; one microbatch passes
-        through every placed chunk) and by the devices' fixed memory. Starts from the baselines, so never slower."""
+        and backwards of each of its chunks, each at least its fastest candidate's time, or once its chunks are all
+        placed, its pick's; one microbatch passes through every placed chunk) and by the devices' memory (what its
+        placed chunks need at least, :meth:`_rank_part`). Starts from the baselines, so never slower."""
         P, v, U, p = self.devices, self.chunks, len(self._p.units), self._p
         S = P * v
         interleaved_order(P, v, M, 0)  # torch's rules on M, before any work
@@ -1112,23 +1227,46 @@ class Pipeline:
                 tmin[(u0, u1)] = min(r.time for r in p.runs(u0, u1))
             return tmin[(u0, u1)]
 
-        cuts, busy, fixed = [0], [0.0] * P, [0] * P
+        cuts, busy, fixed, start = [0], [0.0] * P, [0] * P, [0.0] * P
+        compute = [0.0]  # per unit boundary: every op's time once, from the first layer, rounded down a little
+        for a, b in p.units:
+            compute.append(compute[-1] + math.fsum(self.chain.fwd_time[a:b]) + math.fsum(self.chain.bwd_time[a:b]))
+        compute = [x * (1 - 1e-9) for x in compute]
+        fs, lo, shared = self._fixed_lows()
+        placed = [0]  # the placed chunks' fixed memory and step transients
+        parts: list[list[tuple[int, int] | None]] = [[None] * v for _ in range(P)]
         found, leaves = None, 0
         ws = self.chain.fixed.workspace if self.chain.fixed is not None else 0  # counted once per device
 
         def dfs(j: int, u0: int, path: float) -> None:
             nonlocal best, found, leaves
-            r = j % P
+            r, c = j % P, j // P
             for u1 in ([U] if j == S - 1 else range(u0 + 1, U - (S - 1 - j) + 1)):
                 if leaves >= _SEARCH_LEAVES:
-                    return
-                t = fastest(u0, u1)
-                f = (p.fixed(u0, u1)[0] - (ws if j >= P else 0), p.fixed(u0, u1)[1])
-                if max(M * (busy[r] + t), path + t) >= best or fixed[r] + f[0] + f[1] > limit:
+                    break
+                f = (self._fixed(u0, u1)[0] - (ws if j >= P else 0), self._fixed(u0, u1)[1])
+                if fixed[r] + f[0] + f[1] > limit or placed[0] + fs[u0][u1] + lo[j + 1][u1] - shared > P * limit:
                     continue
+                head = path if c == 0 else start[r]  # before the device's first forward: chunk 0 of those before
+                t = compute[u1] - compute[u0]  # no schedule is faster than its ops once each (before solving)
+                if max(head + M * (busy[r] + t), path + t) >= best:
+                    continue
+                parts[r][c] = (u0, u1)
+                if self._rank_part(tuple(parts[r]), r, M, limit + 1) > limit:
+                    continue  # no choice of candidates fits this device
+                t = fastest(u0, u1)
+                if max(head + M * (busy[r] + t), path + t) >= best:
+                    continue
+                if c == v - 1:  # the device's chunks are all placed: its pick's times
+                    pick = self.rank_pick(tuple(parts[r]), r, M, limit)
+                    if pick is None or head + M * sum(run.time for run in pick) >= best:
+                        continue
+                if c == 0:
+                    start[r] = path
                 cuts.append(u1)
                 busy[r] += t
                 fixed[r] += f[0]
+                placed[0] += fs[u0][u1]
                 if j == S - 1:
                     leaves += 1
                     plan = self._interleaved_plan(cuts, M, limit, "optimal")
@@ -1139,6 +1277,8 @@ class Pipeline:
                 cuts.pop()
                 busy[r] -= t
                 fixed[r] -= f[0]
+                placed[0] -= fs[u0][u1]
+            parts[r][c] = None
 
         dfs(0, 0, 0.0)
         best_plan = found or best_plan
@@ -1160,11 +1300,34 @@ class Pipeline:
         out["balanced+per-stage"] = self._interleaved_plan(cuts, M, limit, "balanced+per-stage")
         return out
 
+    def _fixed_lows(self) -> tuple[list[list[int]], list[list[float]], int]:
+        """(each layer range's fixed memory plus step transient, ``lo[j][u]``: the least sum of those over the
+        partitions of layers u.. into chunks j.., what the devices' sum leaves out: their workspaces counted once).
+        The devices' needs add up to at least the sum over every chunk, less that, so the largest is at least its
+        P-th part: a bound on what the chunks still to place add (cached)."""
+        key = ("fixed lows",)
+        if key not in self._picks:
+            P, v, U = self.devices, self.chunks, len(self._p.units)
+            S = P * v
+            fs = [[sum(self._fixed(u0, u1)) if u0 < u1 else 0 for u1 in range(U + 1)] for u0 in range(U + 1)]
+            lo = [[math.inf] * (U + 1) for _ in range(S + 1)]
+            lo[S][U] = 0
+            for j in range(S - 1, -1, -1):
+                for u0 in range(j, U - (S - 1 - j)):
+                    ends = [U] if j == S - 1 else range(u0 + 1, U - (S - 1 - j) + 1)
+                    lo[j][u0] = min(fs[u0][u1] + lo[j + 1][u1] for u1 in ends)
+            ws = self.chain.fixed.workspace if self.chain.fixed is not None else 0
+            self._picks[key] = (fs, lo, P * (v - 1) * ws)
+        return self._picks[key]
+
     def _least_interleaved(self, M: int, bounds: Sequence[int] | None) -> int:
         """The least device memory over every partition (or the one whose stages start at ``bounds``): the most any
-        device needs with its least-memory choice of candidates (an enumeration of partitions, pruned by the
-        devices' fixed memory)."""
-        P, v, U, p = self.devices, self.chunks, len(self._p.units), self._p
+        device needs with its least-memory choice of candidates (:meth:`_rank_least`).
+
+        A depth-first search over the cuts from the time-balanced partition's need, a branch dropped when a lower
+        bound reaches the best: what each device's placed chunks need (:meth:`_rank_part`), and the P-th part of
+        the fixed memory of all chunks, the ones to place at their least (:meth:`_fixed_lows`)."""
+        P, v, U = self.devices, self.chunks, len(self._p.units)
         S = P * v
         interleaved_order(P, v, M, 0)
 
@@ -1173,16 +1336,32 @@ class Pipeline:
                        for r in range(P))
 
         if bounds is not None:
-            firsts = [u0 for u0, _ in p.units]
+            firsts = [u0 for u0, _ in self._p.units]
             return need([firsts.index(b) for b in bounds] + [U])
-        best = math.inf
-        for inner in itertools.combinations(range(1, U), S - 1):
-            cuts = (0, *inner, U)
-            fixed = [0] * P
-            for j in range(S):
-                fixed[j % P] += p.fixed(cuts[j], cuts[j + 1])[0]
-            if max(fixed) < best:
-                best = min(best, need(cuts))
+        best = need(self.balanced_cuts())
+        fs, lo, shared = self._fixed_lows()
+        parts: list[list[tuple[int, int] | None]] = [[None] * v for _ in range(P)]
+        held = [0] * P  # each device's lower bound from its placed chunks
+
+        def dfs(j: int, u0: int, placed: int) -> None:
+            nonlocal best
+            r, c = j % P, j // P
+            for u1 in ([U] if j == S - 1 else range(u0 + 1, U - (S - 1 - j) + 1)):
+                if -(-(placed + fs[u0][u1] + lo[j + 1][u1] - shared) // P) >= best:
+                    continue
+                parts[r][c] = (u0, u1)
+                n = self._rank_part(tuple(parts[r]), r, M, best)
+                if n >= best or max(held) >= best:
+                    continue
+                if j == S - 1:  # every device complete: n and held are their exact needs
+                    best = max(max(held), n)
+                    continue
+                old, held[r] = held[r], n
+                dfs(j + 1, u1, placed + fs[u0][u1])
+                held[r] = old
+            parts[r][c] = None
+
+        dfs(0, 0, 0)
         return int(best)
 
     def _does_not_fit(self, M: int, limit: int) -> PipelineDoesNotFit:
