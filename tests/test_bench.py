@@ -188,7 +188,7 @@ def _table_rows(out: str, title: str) -> list[list[str]]:
 
 @pytest.mark.torch
 def test_pipeline_bench_measures_a_tiny_gpt2_on_two_ranks(capsys):
-    """bench pipeline --model gpt2 on its smallest setting (2 layers, P = 2, 1 round, store-all's limit): a measured
+    """bench pipeline --model gpt2 on a small setting (2 layers, P = 2, M = 3, 1 round, store-all's limit): a measured
     step time, its noise and each rank's measured peak beside its prediction for the plan and both baselines, and
     the gain split measured. Each rank's peak (GPT-2's tied embedding gradient on rank 0 included) is within
     [0.9, 1.0] of its prediction."""
@@ -196,8 +196,9 @@ def test_pipeline_bench_measures_a_tiny_gpt2_on_two_ranks(capsys):
     pytest.importorskip("transformers")
     from hchain_viz.__main__ import main
 
+    # M > P: at M = P the first rank never holds P microbatches beside its gradients (docs/pipeline.md)
     main(["bench", "pipeline", "--model", "gpt2", "--layers", "2", "--hidden", "32", "--seq", "16", "--microbatches",
-          "2", "--rounds", "1", "--fractions", "1", "--measure-p", "2", "--no-analytic"])
+          "3", "--rounds", "1", "--fractions", "1", "--measure-p", "2", "--no-analytic"])
     out = capsys.readouterr().out
     assert "GPT2LMHeadModel (2 layers, hidden 32" in out and "analytic" not in out
     head, *rows = _table_rows(out, "P = 2 measured on 2 gloo CPU ranks")
@@ -211,3 +212,27 @@ def test_pipeline_bench_measures_a_tiny_gpt2_on_two_ranks(capsys):
     head, *gains = _table_rows(out, "P = 2: the gain split")
     assert head[:3] == ["limit", "per-stage (i)/(ii) predicted", "measured"] and len(gains) == 1
     assert all(v.endswith("x") for v in gains[0][1:]), gains
+
+
+@pytest.mark.torch
+def test_pipeline_bench_runs_interleaved_1f1b(capsys):
+    """bench pipeline --schedule interleaved: the plan over v·P chunks beside the 1F1B plan at the same limit,
+    measured on two ranks, each rank's peak at most its prediction; P = 4 needs more chunks than the chain has
+    layers and says so."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hchain_viz.__main__ import main
+
+    main(["bench", "pipeline", "--model", "gpt2", "--layers", "4", "--hidden", "32", "--seq", "16", "--microbatches",
+          "4", "--rounds", "1", "--fractions", "1", "--measure-p", "2", "--no-analytic", "--schedule", "interleaved"])
+    out = capsys.readouterr().out
+    assert "interleaved 1F1B, v = 2" in out and "P = 4: 8 pipeline stages (4 devices x 2 chunks)" in out
+    head, *rows = _table_rows(out, "P = 2 (interleaved, v = 2), M = 4")
+    assert head[2:4] == ["plan", "1F1B plan"] and len(rows) == 1
+    assert rows[0][8].split(" / ")[0].count("+") == 3  # the plan's split: four chunks
+    head, *rows = _table_rows(out, "P = 2 (interleaved, v = 2) measured on 2 gloo CPU ranks")
+    assert [r[1] for r in rows] == ["optimal", "balanced+uniform", "balanced+per-stage"]
+    for r in rows:
+        assert all(not v.endswith("!") and float(v) <= 1.0 for v in r[8].split(" | ")), r
+    with pytest.raises(SystemExit):
+        main(["bench", "pipeline", "--chunks", "3"])  # --chunks needs --schedule interleaved

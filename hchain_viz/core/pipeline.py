@@ -466,19 +466,22 @@ class PipelinePlan:
         """The first chain stage of each pipeline stage."""
         return tuple(s.first for s in self.stages)
 
+    def rank_activations(self, rank: int) -> int:
+        """Device ``rank``'s activation peak over the pipeline's forwards and backwards (bytes), the optimizer
+        step's transient left out: its in-flight microbatches' stored bytes and the running op's working memory;
+        under interleaved 1F1B as torch's order holds them (:func:`rank_activation_peak`)."""
+        if self.chunks == 1:
+            st = self.stages[rank]
+            return st.in_flight_bytes + st.run.working
+        return rank_activation_peak(self.devices, self.chunks, self.microbatches, rank,
+                                    [st.run for st in self.rank_stages(rank)], self.rank_sent(rank))
+
     @property
     def peaks(self) -> tuple[int, ...]:
-        """Predicted peak device memory per device (bytes); under interleaved 1F1B, its chunks' in-flight
-        microbatches as torch's order holds them (:func:`rank_activation_peak`)."""
-        if self.chunks == 1:
-            return tuple(s.peak for s in self.stages)
-        P, v, out = self.devices, self.chunks, []
-        for r in range(P):
-            fixed, step = self.rank_fixed(r)
-            acts = rank_activation_peak(P, v, self.microbatches, r, [st.run for st in self.rank_stages(r)],
-                                        self.rank_sent(r))
-            out.append(fixed + max(acts, step))
-        return tuple(out)
+        """Predicted peak device memory per device (bytes): its fixed memory and the larger of its activation
+        peak (:meth:`rank_activations`) and the optimizer step's transient."""
+        return tuple(self.rank_fixed(r)[0] + max(self.rank_activations(r), self.rank_fixed(r)[1])
+                     for r in range(self.devices))
 
     @property
     def peak(self) -> int:

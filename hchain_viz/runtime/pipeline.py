@@ -170,12 +170,13 @@ def _parameter_stages(stages: list[tuple[str, nn.Module]],
 
 def metered_peak(plan: PipelinePlan, rank: int) -> int:
     """Rank ``rank``'s predicted peak as a ``MemoryMeter`` around ``run.step`` sees it (a step after the first, in
-    which torch also infers shapes): the plan's peak less the parameters and optimizer state, allocated before the
-    step. Interleaved: the rank's peak over its chunks, less their static memory (the workspace once)."""
+    which torch also infers shapes): its fixed memory and activation peak (``plan.rank_activations``) less the
+    parameters and optimizer state, allocated before the step. The optimizer step, outside ``run.step``, is left
+    out; its transient is in ``plan.peaks``. Interleaved: over the rank's chunks (the workspace once)."""
     sts = plan.rank_stages(rank)
     ws = plan.chain.fixed.workspace
     static = sum(st.chain.fixed.static_per_rank for st in sts) - (len(sts) - 1) * ws
-    return plan.peaks[rank] - static
+    return plan.rank_fixed(rank)[0] + plan.rank_activations(rank) - static
 
 
 class _TensorOutput(nn.Module):
