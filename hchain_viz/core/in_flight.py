@@ -11,6 +11,7 @@ need ``k · budget - (k - 1) · floor`` (slots; the simulator then gives the exa
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -51,6 +52,7 @@ class InFlight:
         _kernels()["fill"](*self._args, self._C, self._Cch, D, Dch, 1)
         self.x0, self.delta_L = int(z["x0"][0]), int(z["x"][L])
         self.times = np.full((S1, S1), math.inf)
+        self._schedules: dict[tuple[int, int], Schedule] = {}
         for f in range(min(self.delta_L, S1), S1):
             self.times[f] = self._at_loss(f, D, Dch)
 
@@ -75,12 +77,22 @@ class InFlight:
                 best = t[n]
                 out.append((int(need[n]), int(f[n]), int(b[n])))
         unit = self.max_budget / self.slots
-        return [(math.ceil(need * unit), float(self.times[fl, bb]), self.schedule(fl, bb)) for need, fl, bb in out]
+        self._rebuild([(fl, bb) for _, fl, bb in out])
+        return [(math.ceil(need * unit), float(self.times[fl, bb]), self._schedules[fl, bb]) for need, fl, bb in out]
 
     def schedule(self, floor: int, budget: int) -> Schedule:
         """The schedule of ``times[floor, budget]`` (which must be finite)."""
+        self._rebuild([(floor, budget)])
+        return self._schedules[floor, budget]
+
+    def _rebuild(self, pairs: list[tuple[int, int]]) -> None:
+        """Rebuild the schedules of the ``(floor, budget)`` pairs not kept yet, the spine filled once per floor (the
+        frontiers of several k share their schedules)."""
         L, S1 = self.chain.length, self.slots + 1
         D, Dch = np.empty((L + 1, S1)), np.empty((L + 1, S1), self._Cch.dtype)
-        self._at_loss(max(floor, self.delta_L), D, Dch)
-        table = _Table(self.max_budget, self.slots, self.sizes, self._Cch, Dch, np.empty(0))
-        return Schedule(_rebuild_ops(table, budget), {"strategy": "optimal", "source": "in-flight"})
+        for floor, group in itertools.groupby(sorted({p for p in pairs if p not in self._schedules}), lambda p: p[0]):
+            self._at_loss(max(floor, self.delta_L), D, Dch)
+            table = _Table(self.max_budget, self.slots, self.sizes, self._Cch, Dch, np.empty(0))
+            for _, budget in group:
+                self._schedules[floor, budget] = Schedule(_rebuild_ops(table, budget),
+                                                          {"strategy": "optimal", "source": "in-flight"})

@@ -480,8 +480,8 @@ class PipelinePlan:
     def peaks(self) -> tuple[int, ...]:
         """Predicted peak device memory per device (bytes): its fixed memory and the larger of its activation
         peak (:meth:`rank_activations`) and the optimizer step's transient."""
-        return tuple(self.rank_fixed(r)[0] + max(self.rank_activations(r), self.rank_fixed(r)[1])
-                     for r in range(self.devices))
+        fixed = [self.rank_fixed(r) for r in range(self.devices)]
+        return tuple(f + max(self.rank_activations(r), step) for r, (f, step) in enumerate(fixed))
 
     @property
     def peak(self) -> int:
@@ -1066,6 +1066,16 @@ class Pipeline:
                                 np.array([s[0] for s in kept]))
         return self._picks[key]
 
+    def _shapes(self, g: tuple[int, int]) -> tuple[list[StageRun], np.ndarray, np.ndarray]:
+        """Layers ``g``'s candidates (fastest first), their times, and each one's ``(stored, forward peak, backward
+        rise)``, the three numbers a device's peak grows with (cached)."""
+        key = ("shapes", g)
+        if key not in self._picks:
+            runs = self._p.runs(*g)
+            q = np.array([(r.stored, r.fwd_peak, r.bwd_peak - r.stored) for r in runs], np.int64).reshape(-1, 3)
+            self._picks[key] = (runs, np.array([r.time for r in runs], float), q)
+        return self._picks[key]
+
     def _terms(self, g: tuple[int, int], c: int, rank: int, M: int) -> tuple[list[StageRun], np.ndarray, np.ndarray]:
         """Layers ``g`` as chunk c of device ``rank``: its candidates (fastest first), their times, and each one's
         part of every row of :meth:`_rows` ``(R, n)``: its held microbatches' stored bytes, its sent bytes per
@@ -1074,12 +1084,11 @@ class Pipeline:
         if key not in self._picks:
             P, v = self.devices, self.chunks
             held, done, rise = self._rows(rank, M)
-            runs = self._p.runs(*g)
-            q = np.array([(r.stored, r.fwd_peak, r.bwd_peak - r.stored) for r in runs], np.int64).reshape(-1, 3)
+            runs, times, q = self._shapes(g)
             sent = sent_bytes(self.chain, *self._p.span(*g), c * P + rank, P * v)
             terms = (held[:, c:c + 1] * q[:, 0] + (rise == c)[:, None] * q[:, 1] + (rise == v + c)[:, None] * q[:, 2]
                      + done[:, c:c + 1] * sent)
-            self._picks[key] = (runs, np.array([r.time for r in runs], float), terms)
+            self._picks[key] = (runs, times, terms)
         return self._picks[key]
 
     def _front(self, g: tuple[int, int], faster: bool) -> np.ndarray:
@@ -1088,9 +1097,7 @@ class Pipeline:
         first and is no slower (so it also wins the ties of :meth:`rank_pick`); equal ones keep the first (cached)."""
         key = ("front", g, faster)
         if key not in self._picks:
-            runs = self._p.runs(*g)
-            q = np.array([(r.stored, r.fwd_peak, r.bwd_peak - r.stored) for r in runs], np.int64).reshape(-1, 3)
-            t = np.array([r.time for r in runs], float)
+            runs, t, q = self._shapes(g)
             n = np.arange(len(runs))
             le = (q[:, None, :] <= q[None, :, :]).all(axis=2)  # [a, b]: a none larger than b
             first = n[:, None] < n[None, :]
@@ -1118,9 +1125,6 @@ class Pipeline:
             total = total + terms.reshape(terms.shape[:1] + (1,) * n + terms.shape[1:] + (1,) * (len(placed) - n - 1))
         self._picks[key] = fixed + max(step, int(total.max(axis=0).min()))
         return self._picks[key]
-
-    def _rank_least(self, ranges: tuple[tuple[int, int], ...], rank: int, M: int) -> int:
-        return self._rank_part(tuple(ranges), rank, M)
 
     def rank_pick(self, ranges: Sequence[tuple[int, int]], rank: int, M: int,
                   limit: int) -> tuple[StageRun, ...] | None:
@@ -1325,7 +1329,7 @@ class Pipeline:
 
     def _least_interleaved(self, M: int, bounds: Sequence[int] | None) -> int:
         """The least device memory over every partition (or the one whose stages start at ``bounds``): the most any
-        device needs with its least-memory choice of candidates (:meth:`_rank_least`).
+        device needs with its least-memory choice of candidates (:meth:`_rank_part`).
 
         A depth-first search over the cuts from the time-balanced partition's need, a branch dropped when a lower
         bound reaches the best: what each device's placed chunks need (:meth:`_rank_part`), and the P-th part of
@@ -1335,7 +1339,7 @@ class Pipeline:
         interleaved_order(P, v, M, 0)
 
         def need(cuts: Sequence[int]) -> int:
-            return max(self._rank_least(tuple((cuts[c * P + r], cuts[c * P + r + 1]) for c in range(v)), r, M)
+            return max(self._rank_part(tuple((cuts[c * P + r], cuts[c * P + r + 1]) for c in range(v)), r, M)
                        for r in range(P))
 
         if bounds is not None:
